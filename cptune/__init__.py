@@ -1,0 +1,26 @@
+"""cptune: context parallelism for PyTorch that validates its inputs, runs on CPU and GPU, and tunes itself.
+
+Main API:
+- :class:`CPConfig`: one context-parallel configuration (rotate method, mesh shape, SDPA backend,
+  load balancing).
+- :func:`context_parallel`: context manager / decorator that shards sequence buffers and runs
+  every SDPA call inside as ring attention over the CP ranks.
+- :func:`unshard`: the full tensors back, in original order.
+- :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
+"""
+
+from .config import CPConfig
+from .context import CPTuneWarning, context_parallel, unshard
+from .errors import CPTuneError, Problem, ValidationError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPConfig",
+    "CPTuneError",
+    "CPTuneWarning",
+    "Problem",
+    "ValidationError",
+    "context_parallel",
+    "unshard",
+]

@@ -1,0 +1,275 @@
+"""The only cptune module that touches PyTorch's private context-parallel code.
+
+PyTorch ships context parallelism as a prototype whose internals move between releases
+(``torch.distributed.tensor.experimental._attention`` became a package
+``..._context_parallel`` in 2.7). Everything cptune needs from it is imported here, with
+feature detection, so a torch release that moves things costs this one file:
+
+* ``_templated_ring_attention`` / ``_templated_ring_attention_backward``: the ring
+  algorithm (rotation, load-balanced causal blocks, log-sum-exp merging) over any SDPA op
+  that returns ``(out, logsumexp, ...)``;
+* the CUDA ring wrappers for the flash / efficient / cuDNN kernels;
+* ``_cp_options``: the process-global rotate method and load-balance flag, which the ring
+  functions read while they run. cptune never leaves them changed: :func:`cp_options`
+  sets them for the duration of one ring call (forward or backward) and restores them.
+
+On top of that this module adds the CPU ring backend: ring attention over
+``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward), which PyTorch's
+own dispatcher has no sharding rule for, and an autograd function that runs the ring with
+the configuration captured at forward time, so ``backward()`` is right even after the
+``with`` block has exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .errors import CPTuneError
+
+aten = torch.ops.aten
+
+MIN_TORCH = (2, 7)
+"""The oldest torch whose ring functions have the signatures used here."""
+
+_CANDIDATE_MODULES = (
+    "torch.distributed.tensor.experimental._context_parallel._attention",  # torch >= 2.9
+    "torch.distributed.tensor.experimental._attention",  # torch 2.5 - 2.8
+)
+_REQUIRED = (
+    "_templated_ring_attention",
+    "_templated_ring_attention_backward",
+    "_cp_options",
+    "_RotateMethod",
+)
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def _find_cp_module() -> Any | None:
+    for name in _CANDIDATE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if all(hasattr(module, attr) for attr in _REQUIRED):
+            return module
+    return None
+
+
+_cp = _find_cp_module() if dist.is_available() else None
+
+
+def support_problem() -> str | None:
+    """Why context parallelism cannot run with this torch, or None when it can."""
+    if not dist.is_available():
+        return "this torch build has no torch.distributed; install a build with distributed support"
+    if torch_version() < MIN_TORCH:
+        return (
+            f"torch {torch.__version__} is too old for cptune's ring attention; "
+            f"install torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}"
+        )
+    if _cp is None:
+        return (
+            f"torch {torch.__version__} has no context-parallel ring functions where cptune "
+            f"looks for them ({', '.join(_CANDIDATE_MODULES)}); pin torch to a verified "
+            "release (2.13.0) or report the new location"
+        )
+    return None
+
+
+def _require_cp() -> Any:
+    problem = support_problem()
+    if problem is not None:
+        raise CPTuneError(problem)
+    return _cp
+
+
+@contextlib.contextmanager
+def cp_options(rotate_method: str, load_balance: bool) -> Iterator[None]:
+    """Set torch's CP globals for one ring call and put the old values back after it."""
+    cp = _require_cp()
+    options = cp._cp_options
+    old = (options.rotate_method, options.enable_load_balance)
+    options.rotate_method = (
+        cp._RotateMethod.ALL_TO_ALL if rotate_method == "alltoall" else cp._RotateMethod.ALL_GATHER
+    )
+    options.enable_load_balance = load_balance
+    try:
+        yield
+    finally:
+        options.rotate_method, options.enable_load_balance = old
+
+
+def global_options() -> tuple[Any, bool] | None:
+    """Torch's current (rotate method, load balance) globals; tests check they are untouched."""
+    if _cp is None:
+        return None
+    return (_cp._cp_options.rotate_method, _cp._cp_options.enable_load_balance)
+
+
+# --------------------------------------------------------------------------------------
+# One ring backend per SDPA kernel. ``forward`` returns (out, saved) where ``saved`` is what
+# ``backward`` needs besides q, k, v and out; ``backward`` returns (dq, dk, dv).
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RingBackend:
+    name: str
+    forward: Callable[..., tuple[torch.Tensor, tuple[Any, ...]]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class _GroupMesh:
+    """The one method of DeviceMesh that torch's ring wrappers call."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def get_group(self, *args: Any, **kwargs: Any) -> dist.ProcessGroup:
+        return self._group
+
+
+def _cpu_flash_forward(group, q, k, v, is_causal, scale):
+    out, lse = _cp._templated_ring_attention(
+        group, 2, aten._scaled_dot_product_flash_attention_for_cpu.default,
+        query=q, key=k, value=v, is_causal=is_causal, dropout_p=0.0, scale=scale,
+    )[:2]
+    return out, (lse,)
+
+
+def _cpu_flash_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
+    (lse,) = saved
+    dq, dk, dv = _cp._templated_ring_attention_backward(
+        group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=grad_out.contiguous(), grad_out_name="grad_out",
+        query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal,
+        dropout_p=0.0, scale=scale,
+    )[:3]
+    return dq, dk, dv
+
+
+def _cuda_flash_forward(group, q, k, v, is_causal, scale):
+    res = _cp._scaled_dot_product_ring_flash_attention(
+        _GroupMesh(group), q, k, v, dropout_p=0.0, is_causal=is_causal, scale=scale
+    )
+    # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
+    return res[0], tuple(res[1:8])
+
+
+def _cuda_flash_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
+    lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+    return _cp._scaled_dot_product_ring_flash_attention_backward(
+        _GroupMesh(group), grad_out.contiguous(), q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
+        0.0, is_causal, seed, offset, scale=scale,
+    )[:3]
+
+
+def _cuda_efficient_forward(group, q, k, v, is_causal, scale):
+    res = _cp._scaled_dot_product_ring_efficient_attention(
+        _GroupMesh(group), q, k, v, None, True, 0.0, is_causal, scale=scale
+    )
+    return res[0], tuple(res[1:4])  # (lse, philox_seed, philox_offset)
+
+
+def _cuda_efficient_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
+    lse, seed, offset = saved
+    return _cp._scaled_dot_product_ring_efficient_attention_backward(
+        _GroupMesh(group), grad_out.contiguous(), q, k, v, None, out, lse, seed, offset, 0.0,
+        (True, True, True, False), is_causal, scale=scale,
+    )[:3]
+
+
+def _cuda_cudnn_forward(group, q, k, v, is_causal, scale):
+    res = _cp._scaled_dot_product_ring_cudnn_attention(
+        _GroupMesh(group), q, k, v, None, True, 0.0, is_causal, False, scale=scale
+    )
+    # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
+    return res[0], tuple(res[1:8])
+
+
+def _cuda_cudnn_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
+    lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+    return _cp._scaled_dot_product_ring_cudnn_attention_backward(
+        _GroupMesh(group), grad_out.contiguous(), q, k, v, out, lse, seed, offset, None,
+        cum_q, cum_k, max_q, max_k, 0.0, is_causal, scale=scale,
+    )[:3]
+
+
+_RING_BACKENDS = {
+    ("cpu", "flash"): RingBackend("flash", _cpu_flash_forward, _cpu_flash_backward),
+    ("cuda", "flash"): RingBackend("flash", _cuda_flash_forward, _cuda_flash_backward),
+    ("cuda", "efficient"): RingBackend("efficient", _cuda_efficient_forward, _cuda_efficient_backward),
+    ("cuda", "cudnn"): RingBackend("cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward),
+}
+_CUDA_WRAPPERS = {
+    "flash": "_scaled_dot_product_ring_flash_attention",
+    "efficient": "_scaled_dot_product_ring_efficient_attention",
+    "cudnn": "_scaled_dot_product_ring_cudnn_attention",
+}
+
+
+def ring_backend_problem(device_type: str, backend: str, dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot run ring attention for ``dtype`` on ``device_type``, or None."""
+    if backend == "math":
+        return "the math kernel returns no log-sum-exp, so it cannot be merged across ranks"
+    if (device_type, backend) not in _RING_BACKENDS:
+        return f"there is no '{backend}' kernel on {device_type}"
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available in this process"
+        wrapper = _CUDA_WRAPPERS[backend]
+        if _cp is None or not hasattr(_cp, wrapper) or not hasattr(_cp, wrapper + "_backward"):
+            return f"torch {torch.__version__} has no ring wrapper for the {backend} kernel"
+        half = dtype in (torch.float16, torch.bfloat16)
+        if backend == "flash" and not (half and torch.backends.cuda.is_flash_attention_available()):
+            return "flash attention needs float16/bfloat16 and a GPU that supports it"
+        if backend == "cudnn" and not (half and torch.backends.cudnn.is_available()):
+            return "cuDNN attention needs float16/bfloat16 and cuDNN"
+        if backend == "efficient" and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return "memory-efficient attention supports float16, bfloat16 and float32"
+    elif dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return f"the CPU flash kernel does not support {dtype}"
+    return None
+
+
+def ring_backend(device_type: str, backend: str) -> RingBackend:
+    _require_cp()
+    return _RING_BACKENDS[(device_type, backend)]
+
+
+_TENSOR = object()  # marks where a saved tensor goes back in ``saved``
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention over the CP group; backward uses the options captured at forward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, backend: RingBackend, is_causal, scale, rotate_method, load_balance):
+        with cp_options(rotate_method, load_balance and is_causal):
+            out, saved = backend.forward(group, q, k, v, is_causal, scale)
+        tensors = [t for t in saved if isinstance(t, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, *tensors)
+        ctx.saved_layout = [_TENSOR if isinstance(t, torch.Tensor) else t for t in saved]
+        ctx.args = (group, backend, is_causal, scale, rotate_method, load_balance)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, *tensors = ctx.saved_tensors
+        it = iter(tensors)
+        saved = tuple(next(it) if x is _TENSOR else x for x in ctx.saved_layout)
+        group, backend, is_causal, scale, rotate_method, load_balance = ctx.args
+        with cp_options(rotate_method, load_balance and is_causal):
+            dq, dk, dv = backend.backward(group, grad_out, q, k, v, out, saved, is_causal, scale)
+        return dq, dk, dv, None, None, None, None, None, None

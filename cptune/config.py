@@ -1,0 +1,147 @@
+"""Typed configuration users touch: :class:`CPConfig` (and, for the search, :class:`Workload`).
+
+Every model validates at construction and reports *all* bad fields at once as a
+:class:`cptune.ValidationError` whose lines name the field and how to fix it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .errors import Problem, ValidationError
+
+RotateMethod = Literal["allgather", "alltoall"]
+SDPABackendName = Literal["flash", "efficient", "cudnn", "math"]
+SDPA_BACKENDS: tuple[str, ...] = ("flash", "efficient", "cudnn", "math")
+
+
+class StrictModel(BaseModel):
+    """A frozen pydantic model whose validation errors are cptune ValidationErrors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as exc:
+            raise ValidationError(_problems(type(self), exc)) from None
+
+
+def _problems(model: type[BaseModel], exc: pydantic.ValidationError) -> list[Problem]:
+    problems = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        name = loc[0] if loc else model.__name__
+        field = model.model_fields.get(name)
+        if err["type"] == "extra_forbidden":
+            fix = f"remove it; {model.__name__} accepts {', '.join(model.model_fields)}"
+        else:
+            fix = (field.json_schema_extra or {}).get("fix", "see the field's documentation") if field else "check it"
+        where = ".".join(loc) or model.__name__
+        given = err.get("input")
+        problems.append(Problem(where, f"{err['msg']} (got {given!r})", str(fix)))
+    return problems
+
+
+class CPConfig(StrictModel):
+    """One context-parallel configuration: what ``cptune search`` chooses and recipes carry."""
+
+    rotate_method: RotateMethod = Field(
+        "allgather", json_schema_extra={"fix": "use rotate_method='allgather' or 'alltoall'"}
+    )
+    """How key/value shards travel between CP ranks. PyTorch's default is 'allgather'."""
+
+    mesh_shape: tuple[int, int] | None = Field(
+        None,
+        json_schema_extra={
+            "fix": "give mesh_shape=(dp, cp) with positive integers whose product is the world size, "
+            "or -1 for one of them to infer it"
+        },
+    )
+    """(dp, cp). None means (1, world size): every rank does context parallelism."""
+
+    sdpa_backend: tuple[SDPABackendName, ...] | None = Field(
+        None,
+        json_schema_extra={
+            "fix": "use one of 'flash', 'efficient', 'cudnn', 'math' or an ordered list of them"
+        },
+    )
+    """SDPA kernels in priority order. None means PyTorch's own priority order."""
+
+    load_balance: Literal["auto"] | bool = Field(
+        "auto", json_schema_extra={"fix": "use load_balance='auto', True or False"}
+    )
+    """Head-tail load balancing of causal attention. 'auto': on for causal, off otherwise."""
+
+    @field_validator("sdpa_backend", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return (value,)
+        return value
+
+    @field_validator("sdpa_backend")
+    @classmethod
+    def _distinct(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("the list of backends is empty")
+            if len(set(value)) != len(value):
+                raise ValueError("a backend is listed twice")
+        return value
+
+    @field_validator("mesh_shape")
+    @classmethod
+    def _positive(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None:
+            if any(v == 0 or v < -1 for v in value) or value == (-1, -1):
+                raise ValueError("degrees must be positive, with at most one -1 (inferred)")
+        return value
+
+    def resolve_mesh_shape(self, world_size: int) -> tuple[int, int]:
+        """(dp, cp) for ``world_size`` ranks; raises ValidationError if they don't multiply up."""
+        if self.mesh_shape is None:
+            return (1, world_size)
+        dp, cp = self.mesh_shape
+        if dp == -1 and world_size % cp == 0:
+            dp = world_size // cp
+        elif cp == -1 and world_size % dp == 0:
+            cp = world_size // dp
+        if dp * cp != world_size or dp < 1 or cp < 1:
+            raise ValidationError([
+                Problem(
+                    "config.mesh_shape",
+                    f"{self.mesh_shape} does not multiply to the world size {world_size}",
+                    f"use a (dp, cp) with dp * cp == {world_size}, e.g. (1, {world_size})",
+                )
+            ])
+        return (dp, cp)
+
+    def load_balance_for(self, causal: bool) -> bool:
+        return causal if self.load_balance == "auto" else bool(self.load_balance)
+
+    def label(self) -> str:
+        """A short human-readable name, e.g. 'dp1·cp2 alltoall lb flash'."""
+        dp, cp = self.mesh_shape or (1, -1)
+        backend = "+".join(self.sdpa_backend) if self.sdpa_backend else "default"
+        lb = {True: "lb", False: "no-lb", "auto": "lb-auto"}[self.load_balance]
+        return f"dp{dp}·cp{cp if cp > 0 else 'N'} {self.rotate_method} {lb} {backend}"
+
+
+ConfigLike = Union[CPConfig, dict, None]
+
+
+def as_config(config: ConfigLike) -> CPConfig:
+    if config is None:
+        return CPConfig()
+    if isinstance(config, CPConfig):
+        return config
+    if isinstance(config, dict):
+        return CPConfig(**config)
+    raise ValidationError([
+        Problem("config", f"expected a CPConfig or a dict, got {type(config).__name__}",
+                "pass cptune.CPConfig(...) or a dict of its fields")
+    ])

@@ -1,0 +1,190 @@
+"""A group of N local ranks that runs functions SPMD-style: the tests' harness and the search's launcher.
+
+``WorkerGroup(n)`` spawns n processes once, each joined to one process group (gloo on CPU,
+nccl when ``device="cuda"``), and then runs as many jobs as asked: ``group.run(fn, *args)``
+calls ``fn(*args)`` on every rank and returns the per-rank results in rank order. A job
+that raises on any rank raises :class:`RankFailure` carrying every rank's exception and
+traceback; a job that outlives its timeout, or a rank that dies, kills the whole group and
+raises :class:`GroupLost`, and the next ``run`` starts a fresh group. ``close()`` (or
+leaving the ``with``) leaves no process behind.
+
+``fn`` must be importable by name (a module-level function), as with any spawned process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .errors import CPTuneError
+
+
+class RankFailure(CPTuneError):
+    """A job raised on one or more ranks. ``errors``/``tracebacks`` map rank -> what it raised."""
+
+    def __init__(self, errors: dict[int, BaseException], tracebacks: dict[int, str]) -> None:
+        self.errors, self.tracebacks = errors, tracebacks
+        first = min(errors)
+        text = "\n".join(f"--- rank {r} ---\n{tracebacks[r]}" for r in sorted(tracebacks))
+        super().__init__(f"{len(errors)} rank(s) failed; rank {first}: {errors[first]!r}\n{text}")
+
+
+class GroupLost(CPTuneError):
+    """The group had to be killed: a job timed out or a rank died. The next run relaunches it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,
+            jobs: Any, results: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
+    results.put((rank, -1, "ready", None))
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                break
+            job_id, fn, args, kwargs = job
+            try:
+                results.put((rank, job_id, "ok", fn(*args, **kwargs)))
+            except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+                try:
+                    import pickle
+
+                    pickle.dumps(exc)
+                except Exception:  # noqa: BLE001
+                    exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+                results.put((rank, job_id, "error", (exc, traceback.format_exc())))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """N local ranks in one process group, reused for many jobs."""
+
+    def __init__(self, nproc: int, *, device: str = "cpu", threads: int = 1, timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
+        if nproc < 1:
+            raise CPTuneError(f"nproc must be at least 1, got {nproc}")
+        self.nproc, self.device, self.threads, self.timeout = nproc, device, threads, timeout
+        self.env = dict(env or {})
+        self.backend = "nccl" if device == "cuda" else "gloo"
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._jobs: list[Any] = []
+        self._results: Any = None
+        self._job_id = 0
+        self.launches = 0
+        self.error_grace = 10.0
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._procs:
+            return
+        port = free_port()
+        self._results = self._ctx.Queue()
+        self._jobs = [self._ctx.Queue() for _ in range(self.nproc)]
+        env = {"OMP_NUM_THREADS": str(self.threads), **self.env}
+        self._procs = [
+            self._ctx.Process(target=_worker, daemon=True, name=f"cptune-rank{r}",
+                              args=(r, self.nproc, port, self.backend, self.threads, self.timeout,
+                                    self._jobs[r], self._results, env))
+            for r in range(self.nproc)
+        ]
+        for p in self._procs:
+            p.start()
+        self.launches += 1
+        self._collect(-1, self.timeout, "start-up")
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs = []
+        for q in [*self._jobs, self._results]:
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        self._jobs, self._results = [], None
+
+    def close(self) -> None:
+        if not self._procs:
+            return
+        for q in self._jobs:
+            q.put(None)
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        self.kill()
+
+    def __enter__(self) -> WorkerGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # -- jobs -----------------------------------------------------------------------------
+    def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order."""
+        self.start()
+        self._job_id += 1
+        for q in self._jobs:
+            q.put((self._job_id, fn, args, kwargs))
+        return self._collect(self._job_id, timeout or self.timeout, getattr(fn, "__name__", str(fn)))
+
+    def _collect(self, job_id: int, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        got: dict[int, tuple[str, Any]] = {}
+        while len(got) < self.nproc:
+            try:
+                rank, jid, status, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
+                if dead:
+                    self.kill()
+                    raise GroupLost(f"{what}: rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} "
+                                    "died; the group was shut down") from None
+                if time.monotonic() > deadline:
+                    self.kill()
+                    if any(st == "error" for st, _ in got.values()):
+                        break  # report what the failing ranks raised; the others were stuck
+                    raise GroupLost(f"{what}: no result from rank(s) "
+                                    f"{sorted(set(range(self.nproc)) - set(got))} after {timeout:.0f}s; "
+                                    "the group was shut down") from None
+                continue
+            if jid == job_id:
+                got[rank] = (status, payload)
+                if status == "error":  # the other ranks may be stuck in a collective: wait briefly
+                    deadline = min(deadline, time.monotonic() + self.error_grace)
+        errors = {r: p[0] for r, (s, p) in got.items() if s == "error"}
+        if errors:
+            raise RankFailure(errors, {r: got[r][1][1] for r in errors})
+        return [got[r][1] for r in range(self.nproc)]

@@ -1,0 +1,234 @@
+"""Checks on what users hand to cptune: pure functions, no collectives, every problem at once.
+
+Each check returns a list of :class:`~cptune.errors.Problem`; callers raise them together as
+one :class:`~cptune.errors.ValidationError` before anything is sharded or communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import _torch_cp
+from .errors import Problem
+
+
+@dataclass
+class BufferPlan:
+    """Buffers flattened in order, with normalised seq dims and the common sequence length."""
+
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    dims: list[int] = field(default_factory=list)
+    seq_len: int | None = None
+    load_balance: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def flatten(buffers: Any, seq_dims: Any, prefix: str = "buffers") -> tuple[list[tuple[str, Any, Any]], list[Problem]]:
+    """Walk ``buffers`` and ``seq_dims`` together; (path, buffer, dim) leaves plus structure problems."""
+    if isinstance(buffers, Mapping):
+        if not isinstance(seq_dims, Mapping):
+            return [], [Problem("seq_dims", f"{prefix} is a dict but seq_dims is a {type(seq_dims).__name__}",
+                                "give seq_dims as a dict with the same keys as buffers")]
+        missing = [k for k in buffers if k not in seq_dims]
+        extra = [k for k in seq_dims if k not in buffers]
+        if missing or extra:
+            return [], [Problem("seq_dims", f"keys differ from {prefix}: missing {missing}, extra {extra}",
+                                "give one sequence dim per buffer, under the same keys")]
+        leaves, problems = [], []
+        for key in buffers:
+            sub_leaves, sub_problems = flatten(buffers[key], seq_dims[key], f"{prefix}[{key!r}]")
+            leaves += sub_leaves
+            problems += sub_problems
+        return leaves, problems
+    if isinstance(buffers, (list, tuple)):
+        if not isinstance(seq_dims, Sequence) or isinstance(seq_dims, (str, Mapping)):
+            return [], [Problem("seq_dims", f"{prefix} is a {type(buffers).__name__} but seq_dims is a "
+                                f"{type(seq_dims).__name__}", "give seq_dims as a list, one int per buffer")]
+        if len(buffers) != len(seq_dims):
+            return [], [Problem("seq_dims", f"{len(seq_dims)} seq dims for {len(buffers)} buffers in {prefix}",
+                                "give exactly one sequence dim per buffer, in the same order")]
+        leaves, problems = [], []
+        for i, (b, d) in enumerate(zip(buffers, seq_dims)):
+            sub_leaves, sub_problems = flatten(b, d, f"{prefix}[{i}]")
+            leaves += sub_leaves
+            problems += sub_problems
+        return leaves, problems
+    return [(prefix, buffers, seq_dims)], []
+
+
+def check_buffers(
+    buffers: Any,
+    seq_dims: Any,
+    *,
+    cp: int,
+    load_balance: str | bool,
+    causal: bool,
+    device_type: str | None,
+    no_restore: Sequence[Any] = (),
+) -> tuple[BufferPlan, list[Problem]]:
+    """Validate buffers and their sequence dims for sharding over ``cp`` ranks."""
+    plan = BufferPlan()
+    if buffers is None and seq_dims is None:
+        return plan, []
+    if buffers is None or seq_dims is None:
+        missing = "seq_dims" if seq_dims is None else "buffers"
+        return plan, [Problem(missing, "one of buffers/seq_dims is given without the other",
+                              "pass both buffers= and seq_dims=, one sequence dim per buffer")]
+    if isinstance(buffers, torch.Tensor):
+        buffers, seq_dims = [buffers], [seq_dims] if isinstance(seq_dims, int) else seq_dims
+    leaves, problems = flatten(buffers, seq_dims)
+    lengths: dict[str, int] = {}
+    seen: dict[int, str] = {}
+    for path, buf, dim in leaves:
+        if not isinstance(buf, torch.Tensor):
+            problems.append(Problem(path, f"is a {type(buf).__name__}, not a tensor",
+                                    "pass only tensors whose sequence dimension should be sharded"))
+            continue
+        if isinstance(buf, nn.Parameter):
+            problems.append(Problem(path, "is an nn.Parameter; parameters are replicated, not sharded",
+                                    "remove it from buffers (shard activations and inputs, not weights)"))
+            continue
+        if type(buf).__name__ == "DTensor":
+            problems.append(Problem(path, "is already a DTensor", "pass the plain local tensor"))
+            continue
+        if id(buf) in seen:
+            problems.append(Problem(path, f"is the same tensor as {seen[id(buf)]}",
+                                    "list each tensor once"))
+            continue
+        seen[id(buf)] = path
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            problems.append(Problem(f"seq_dims for {path}", f"{dim!r} is not an int",
+                                    "give the index of the sequence dimension, e.g. 2 for (B, H, S, D)"))
+            continue
+        if not -buf.ndim <= dim < buf.ndim:
+            problems.append(Problem(f"seq_dims for {path}",
+                                    f"dim {dim} is out of range for a tensor of shape {tuple(buf.shape)}",
+                                    f"use a dim in [{-buf.ndim}, {buf.ndim - 1}]"))
+            continue
+        dim %= buf.ndim
+        if device_type is not None and buf.device.type != device_type:
+            problems.append(Problem(path, f"is on {buf.device} but the device mesh is on {device_type}",
+                                    f"move it with .to('{device_type}') or build the mesh on {buf.device.type}"))
+        elif buf.device.type == "cuda" and buf.device.index != torch.cuda.current_device():
+            problems.append(Problem(path, f"is on {buf.device} but this rank's device is "
+                                    f"cuda:{torch.cuda.current_device()}",
+                                    "call torch.cuda.set_device(local_rank) and create buffers on that device"))
+        plan.names.append(path)
+        plan.tensors.append(buf)
+        plan.dims.append(dim)
+        lengths[path] = buf.shape[dim]
+    for item in no_restore:
+        if not any(item is t for t in plan.tensors):
+            problems.append(Problem("no_restore", "holds a tensor that is not one of the buffers",
+                                    "list only tensors that are also in buffers"))
+            break
+    if len(set(lengths.values())) > 1:
+        listing = ", ".join(f"{k}={v}" for k, v in lengths.items())
+        problems.append(Problem("seq_dims", f"the buffers disagree on the sequence length ({listing})",
+                                "check each buffer's seq dim; all must share one sequence length"))
+        return plan, problems
+    if lengths:
+        plan.seq_len = seq_len = next(iter(lengths.values()))
+        plan.load_balance = causal if load_balance == "auto" else bool(load_balance)
+        if seq_len % cp:
+            problems.append(Problem("buffers", f"sequence length {seq_len} is not divisible by the CP degree {cp}",
+                                    f"pad the sequence to a multiple of {cp if not plan.load_balance else 2 * cp} "
+                                    "or choose a CP degree that divides it"))
+        elif plan.load_balance and cp > 1 and seq_len % (2 * cp):
+            if load_balance is True:
+                problems.append(Problem("config.load_balance",
+                                        f"load balancing needs the sequence length ({seq_len}) divisible by "
+                                        f"2 * cp = {2 * cp}",
+                                        f"pad the sequence to a multiple of {2 * cp} or set load_balance=False"))
+            else:
+                plan.load_balance = False
+                plan.notes.append(f"load balancing is off: sequence length {seq_len} is not divisible by "
+                                  f"2 * cp = {2 * cp} (pad to a multiple of {2 * cp} to turn it on)")
+        if plan.load_balance and not causal and load_balance is True:
+            problems.append(Problem("config.load_balance", "load balancing only applies to causal attention",
+                                    "set load_balance='auto' or False for non-causal attention"))
+    return plan, problems
+
+
+def backend_problem(device_type: str, backend: str, dtype: torch.dtype | None, ring: bool) -> str | None:
+    """Why ``backend`` can't serve SDPA here (``ring``: under CP), or None."""
+    if ring:
+        return _torch_cp.ring_backend_problem(device_type, backend, dtype or torch.float32)
+    if device_type == "cpu" and backend in ("efficient", "cudnn"):
+        return f"there is no '{backend}' kernel on cpu"
+    if device_type == "cuda" and dtype is not None:
+        return _torch_cp.ring_backend_problem(device_type, backend, dtype) if backend != "math" else None
+    return None
+
+
+def pick_backend(backends: Sequence[str], device_type: str, dtype: torch.dtype | None,
+                 ring: bool) -> tuple[str | None, list[Problem]]:
+    """The first usable backend of ``backends``; if none is usable, one problem saying why each fails."""
+    reasons = []
+    for name in backends:
+        why = backend_problem(device_type, name, dtype, ring)
+        if why is None:
+            return name, []
+        reasons.append(f"'{name}': {why}")
+    usable = [b for b in ("flash", "efficient", "cudnn", "math")
+              if backend_problem(device_type, b, dtype, ring) is None]
+    dtype_text = f", {dtype}".replace("torch.", "") if dtype is not None else ""
+    return None, [Problem("config.sdpa_backend",
+                          f"no requested backend works on {device_type}{dtype_text}"
+                          f"{' under context parallelism' if ring else ''} ({'; '.join(reasons)})",
+                          f"use one of {usable}" if usable else "use another device or dtype")]
+
+
+def check_sdpa_call(
+    query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: float, is_causal: bool,
+    enable_gqa: bool, causal: bool, local_len: int | None, full_len: int | None,
+) -> list[Problem]:
+    """Checks on one F.scaled_dot_product_attention call inside a CP block."""
+    problems = []
+    if is_causal != causal:
+        problems.append(Problem("is_causal", f"SDPA was called with is_causal={is_causal} but the CP block was "
+                                f"declared causal={causal}",
+                                f"pass causal={is_causal} to cptune.context_parallel (or fix the SDPA call)"))
+    if attn_mask is not None:
+        problems.append(Problem("attn_mask", "an explicit attention mask cannot be sharded by ring attention",
+                                "drop attn_mask and use is_causal=True for causal masking"))
+    if dropout_p:
+        problems.append(Problem("dropout_p", f"dropout_p={dropout_p} is not supported by ring attention",
+                                "use dropout_p=0.0 inside the CP block (e.g. attention dropout 0 or model.eval())"))
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            problems.append(Problem(name, f"is a {type(t).__name__}", "pass tensors to SDPA"))
+            return problems
+        if t.ndim != 4:
+            problems.append(Problem(name, f"has shape {tuple(t.shape)}; ring attention needs (B, H, S, D)",
+                                    "reshape to 4 dims (batch, heads, sequence, head_dim)"))
+    if problems:
+        return problems
+    if len({query.dtype, key.dtype, value.dtype}) > 1:
+        problems.append(Problem("query/key/value", "have different dtypes", "cast them to one dtype"))
+    hq, hk = query.shape[1], key.shape[1]
+    if hq != hk and not (enable_gqa and hq % hk == 0):
+        problems.append(Problem("key", f"has {hk} heads and query {hq}",
+                                "pass enable_gqa=True (query heads a multiple of key heads) or repeat key/value heads"))
+    if local_len is not None:
+        s = query.shape[2]
+        if s == full_len and s != local_len:
+            problems.append(Problem("query", f"has the full sequence length {s}, not this rank's shard ({local_len})",
+                                    "compute q/k/v inside the block from the sharded buffers, or list them in buffers"))
+        elif s != local_len:
+            on = [d for d in (1, 3) if query.shape[d] == local_len]
+            hint = (f"the sequence looks like dim {on[0]}; transpose it to dim 2 ((B, H, S, D) layout)"
+                    if on else f"make dim 2 the sequence dim with this rank's {local_len} tokens")
+            problems.append(Problem("query", f"shape {tuple(query.shape)} has {s} on dim 2, expected this rank's "
+                                    f"{local_len} sequence tokens", hint))
+    if causal and key.shape[2] != query.shape[2]:
+        problems.append(Problem("key", f"causal attention needs equal query/key lengths ({query.shape[2]} vs "
+                                f"{key.shape[2]})", "use causal=False for cross-attention"))
+    return problems

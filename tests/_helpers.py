@@ -1,0 +1,25 @@
+"""Helpers the rank bodies share: reference attention on one device, and error measures."""
+
+import torch
+import torch.nn.functional as F
+
+
+def make_qkv(seed, batch, heads, kv_heads, seq_len, head_dim, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_len, head_dim, generator=gen)
+    k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen)
+    grad = torch.randn(batch, heads, seq_len, head_dim, generator=gen)
+    return [t.to(dtype) for t in (q, k, v)], grad.to(dtype)
+
+
+def reference(qkv, grad, **sdpa_kwargs):
+    """Single-device output and q/k/v grads of loss = sum(out * grad), in float32."""
+    leaves = [t.detach().clone().requires_grad_() for t in qkv]
+    out = F.scaled_dot_product_attention(*leaves, **sdpa_kwargs)
+    (out.float() * grad.float()).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def max_err(a, b):
+    return (a.float() - b.float()).abs().max().item()
