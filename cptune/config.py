@@ -34,10 +34,18 @@ def _problems(model: type[BaseModel], exc: pydantic.ValidationError) -> list[Pro
     problems = []
     for err in exc.errors():
         loc = [str(part) for part in err["loc"]]
-        name = loc[0] if loc else model.__name__
-        field = model.model_fields.get(name)
+        owner, field = model, None  # walk nested models down to the field the error is about
+        for part in loc:
+            field = owner.model_fields.get(part)
+            annotation = getattr(field, "annotation", None)
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                owner = annotation
+            elif field is None or part != loc[-1]:
+                break
         if err["type"] == "extra_forbidden":
-            fix = f"remove it; {model.__name__} accepts {', '.join(model.model_fields)}"
+            fix = f"remove it; {owner.__name__} accepts {', '.join(owner.model_fields)}"
+        elif err["type"] == "missing":
+            fix = f"add {loc[-1]} (see a recipe written by cptune search)"
         else:
             fix = (field.json_schema_extra or {}).get("fix", "see the field's documentation") if field else "check it"
         where = ".".join(loc) or model.__name__

@@ -317,11 +317,14 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             bound = sig.bind(*args, **kwargs)
             named = {n: bound.arguments[n] for n in self.seq_dims if bound.arguments.get(n) is not None}
+            raise_if([Problem(n, f"is a {type(t).__name__}, not a tensor",
+                              f"pass a tensor for {n} or drop it from seq_dims")
+                      for n, t in named.items() if not isinstance(t, torch.Tensor)])
             session = self._new_session().start(
                 self.mesh, named, {n: self.seq_dims[n] for n in named}, (), inplace=False)
             try:
-                for name, sharded in session.shards.items():
-                    bound.arguments[name.split("'")[1]] = sharded
+                for name, path in zip(named, session.plan.names):
+                    bound.arguments[name] = session.shards[path]
                 return fn(*bound.args, **bound.kwargs)
             finally:
                 session.stop()

@@ -1,0 +1,205 @@
+"""The ``cptune`` command: each subcommand is a thin call into the library.
+
+Any :class:`~cptune.CPTuneError` becomes a message on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import CPTuneError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except CPTuneError as exc:
+            click.secho(f"error: {exc}", fg="red", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="cptune")
+def main() -> None:
+    """Context parallelism for PyTorch: search the fastest configuration, write recipes, launch them."""
+
+
+def _progress(done_so_far: list[int]):
+    def show(record, done: int, total: int) -> None:
+        width = 20
+        filled = int(width * done / max(total, 1))
+        tps = f"{record.tokens_per_s:>10,.0f} tok/s" if record.tokens_per_s else " " * 16
+        from .search.memory import format_size
+
+        peak = f"peak {format_size(record.peak_bytes)}" if record.peak_bytes else ""
+        click.echo(f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {record.config.label():<32} {tps} "
+                   f"{peak:<16} {record.state}{': ' + record.reason if record.reason else ''}", err=True)
+    return show
+
+
+def _init_torchrun() -> bool:
+    """Inside torchrun (RANK set): join its process group. Returns whether this is rank 0."""
+    if "RANK" not in os.environ:
+        return True
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        else:
+            torch.set_num_threads(1)
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank() == 0
+
+
+@main.command()
+@click.option("--seq-len", type=int, default=4096, show_default=True, help="Tokens per sequence.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per data-parallel replica.")
+@click.option("--heads", type=int, default=8, show_default=True)
+@click.option("--kv-heads", type=int, default=None, help="Key/value heads (GQA); default = --heads.")
+@click.option("--head-dim", type=int, default=64, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--workload", "step", default=None, metavar="MODULE:FUNCTION",
+              help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
+@click.option("--nproc", type=int, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
+@click.option("--memory-budget", default=None, help="Per-rank budget, e.g. 70GiB (default: 90% of a GPU, or of RAM/nproc).")
+@click.option("--storage", default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
+@click.option("--study-name", default=None, help="Default: derived from the workload and world size.")
+@click.option("--n-trials", type=int, default=None, help="Trials to run now (default: until every config is done).")
+@click.option("--timeout", type=float, default=None, help="Stop starting trials after this many seconds.")
+@click.option("--trial-timeout", type=float, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
+@click.option("--sampler", type=click.Choice(["auto", "grid", "tpe"]), default="auto", show_default=True)
+@click.option("--min-seconds", type=float, default=1.0, show_default=True, help="Timed seconds per trial, at least.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
+@click.option("--script", default=None, help="Training script the recipe launches.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, step, nproc, device, memory_budget, storage,
+           study_name, n_trials, timeout, trial_timeout, sampler, min_seconds, out, script, as_json) -> None:
+    """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
+
+    \b
+    One machine:  cptune search --seq-len 8192 --nproc 2 --memory-budget 2GiB --out recipes/x.yaml
+    A cluster:    torchrun --nnodes 2 --nproc-per-node 8 ... -m cptune search --seq-len 131072 ...
+    """
+    import optuna
+    import torch
+
+    from .recipe import recipe_from_search, save_recipe
+    from .search import MeasureSettings, Workload
+    from .search import search as run_search
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    workload = Workload(seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        dtype=dtype, causal=causal, step=step)
+    if step and "" not in sys.path:
+        sys.path.insert(0, "")  # --workload modules are found from the current folder, like python -m
+    is_rank0 = _init_torchrun()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if is_rank0:
+        click.echo(f"cptune search: {workload.describe()}", err=True)
+    result = run_search(workload, nproc=nproc, device=device, memory_budget=memory_budget, storage=storage,
+                        study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
+                        sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress([]))
+    if result is None:  # a torchrun rank other than 0
+        return
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        click.echo(f"\nstudy {result.study_name} ({result.storage or 'sqlite:///cptune.db'}), "
+                   f"{result.world_size} ranks on {result.device}, budget per rank "
+                   f"{_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
+        click.echo(result.table())
+    best = result.best
+    if best is None:
+        raise CPTuneError(result.why_nothing())
+    if not as_json:
+        click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
+    if not result.complete:
+        click.echo("note: not every configuration was tried; rerun the same command to continue", err=True)
+    if out:
+        path = save_recipe(recipe_from_search(result, script=script), out)
+        click.echo(f"recipe written: {path}", err=True)
+
+
+def _size(n: int) -> str:
+    from .search.memory import format_size
+
+    return format_size(n)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path())
+@click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--dry-run", is_flag=True, help="Print the torchrun command instead of running it.")
+@click.option("--nnodes", type=int, default=None, help="Override the recipe's node count.")
+@click.option("--node-rank", type=int, default=None, help="This node's rank (multi-node).")
+@click.option("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (multi-node).")
+def launch(recipe_path, script_and_args, dry_run, nnodes, node_rank, rdzv_endpoint) -> None:
+    """Run a training script with torchrun as RECIPE says:  cptune launch RECIPE [-- script.py args...]"""
+    from .errors import Problem, ValidationError
+    from .recipe import ENV_VAR, load_recipe
+
+    recipe = load_recipe(recipe_path)
+    script, args = (script_and_args[0], list(script_and_args[1:])) if script_and_args else (None, None)
+    argv = recipe.torchrun_args(script, args, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    script = argv[argv.index(f"--nproc-per-node={recipe.launch.nproc_per_node}") + 1]
+    if not Path(script).is_file():
+        raise ValidationError([Problem("script", f"{script!r} does not exist",
+                                       "give the path of the training script after --")])
+    recipe_abs = str(Path(recipe_path).resolve())
+    if dry_run:
+        click.echo(shlex.join([f"{ENV_VAR}={recipe_abs}", *argv]))
+        return
+    env = {**os.environ, ENV_VAR: recipe_abs}
+    code = subprocess.call([sys.executable, "-m", "torch.distributed.run", *argv[1:]], env=env)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path())
+@click.option("--json", "as_json", is_flag=True)
+def show(recipe_path, as_json) -> None:
+    """Print RECIPE readably."""
+    from .recipe import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    if as_json:
+        click.echo(json.dumps(recipe.model_dump(mode="json"), indent=2))
+        return
+    m, p = recipe.metrics, recipe.provenance
+    click.echo(recipe.header(recipe_path).rstrip())
+    click.echo(f"workload : {recipe.workload.describe()}")
+    click.echo(f"config   : {recipe.config.label()}")
+    click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
+               f"script {recipe.launch.script or '(give one after --)'}")
+    click.echo(f"measured : " + (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
+                                 f"{', '.join(_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
+                                 f"{_size(m.memory_budget)})" if m.measured else "no (not measured)"))
+    click.echo(f"from     : {p.device_count} x {p.device} ({p.backend}), torch {p.torch_version}, cptune "
+               f"{p.cptune_version}, {p.date}, study {p.study_name} ({p.n_trials} trials)")
+
+
+@main.command()
+@click.argument("recipe_path", metavar="RECIPE", type=click.Path())
+@click.option("--world-size", type=int, default=None, help="The job's world size, to compare with the recipe.")
+def check(recipe_path, world_size) -> None:
+    """Compare RECIPE with this environment; list every mismatch with its fix (exit 1 if any)."""
+    from .errors import ValidationError
+    from .recipe import check_recipe, load_recipe
+
+    problems = check_recipe(load_recipe(recipe_path), world_size)
+    if problems:
+        raise ValidationError(problems)
+    click.echo(f"{recipe_path}: matches this environment")

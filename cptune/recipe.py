@@ -1,0 +1,247 @@
+"""Recipes: what a search chose, on what, and why, as a YAML file that launches with torchrun.
+
+A recipe is plain data (``yaml.safe_load``; it never executes code), versioned by
+``schema_version``, and starts with a comment holding the exact command it stands for.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+import yaml
+from pydantic import Field
+
+from .config import CPConfig, StrictModel
+from .errors import CPTuneError, Problem, ValidationError
+from .search.workload import Workload
+
+SCHEMA_VERSION = 1
+ENV_VAR = "CPTUNE_RECIPE"
+
+
+class Launch(StrictModel):
+    """How torchrun starts the job. Multi-node values are placeholders until set at launch."""
+
+    nnodes: int = Field(1, ge=1, json_schema_extra={"fix": "set launch.nnodes to the number of machines"})
+    nproc_per_node: int = Field(1, ge=1, json_schema_extra={"fix": "set launch.nproc_per_node to ranks per machine"})
+    rdzv_backend: str = Field("c10d", json_schema_extra={"fix": "use rdzv_backend: c10d"})
+    rdzv_endpoint: str = Field("HOST:29500", json_schema_extra={
+        "fix": "set launch.rdzv_endpoint to node 0's HOST:PORT (or pass --rdzv-endpoint)"})
+    script: str | None = Field(None, json_schema_extra={"fix": "set launch.script to the training script's path"})
+    args: list[str] = Field(default_factory=list, json_schema_extra={"fix": "give launch.args as a list of strings"})
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class Provenance(StrictModel):
+    cptune_version: str
+    torch_version: str
+    device: str = Field(json_schema_extra={"fix": "set provenance.device to 'cpu' or a GPU name"})
+    device_type: Literal["cpu", "cuda"] = Field(json_schema_extra={"fix": "use device_type: cpu or cuda"})
+    device_count: int
+    backend: Literal["gloo", "nccl"] = Field(json_schema_extra={"fix": "use backend: gloo or nccl"})
+    date: str
+    study_name: str | None = None
+    storage: str | None = None
+    n_trials: int | None = None
+    command: str | None = None
+
+
+class Metrics(StrictModel):
+    measured: bool = Field(json_schema_extra={"fix": "set metrics.measured: true only for measured recipes"})
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    peak_bytes_per_rank: list[int] | None = None
+    memory_budget: int | None = None
+    note: str = ""
+
+
+class Recipe(StrictModel):
+    schema_version: Literal[1] = Field(1, json_schema_extra={
+        "fix": f"this cptune reads schema_version {SCHEMA_VERSION}; regenerate the recipe with cptune search"})
+    workload: Workload
+    config: CPConfig
+    launch: Launch
+    provenance: Provenance
+    metrics: Metrics
+
+    def torchrun_args(self, script: str | None = None, args: list[str] | None = None, *, nnodes: int | None = None,
+                      node_rank: int | None = None, rdzv_endpoint: str | None = None) -> list[str]:
+        """The torchrun argument list (no shell involved); overrides win over the recipe."""
+        launch = self.launch
+        script = script or launch.script
+        if not script:
+            raise ValidationError([Problem("launch.script", "the recipe names no script and none was given",
+                                           "append '-- path/to/train.py [args]' or set launch.script")])
+        nnodes = nnodes or launch.nnodes
+        argv = ["torchrun"]
+        if nnodes == 1:
+            argv += ["--standalone", "--nnodes=1"]
+        else:
+            endpoint = rdzv_endpoint or launch.rdzv_endpoint
+            if endpoint.startswith("HOST"):
+                raise ValidationError([Problem("launch.rdzv_endpoint", f"is the placeholder {endpoint!r}",
+                                               "pass --rdzv-endpoint node0-host:29500")])
+            argv += [f"--nnodes={nnodes}", f"--rdzv-backend={launch.rdzv_backend}",
+                     f"--rdzv-endpoint={endpoint}", "--rdzv-id=cptune"]
+            if node_rank is not None:
+                argv.append(f"--node-rank={node_rank}")
+        argv += [f"--nproc-per-node={launch.nproc_per_node}", script, *(launch.args if args is None else args)]
+        return argv
+
+    def header(self, path: str | os.PathLike | None = None) -> str:
+        where = path or "RECIPE.yaml"
+        lines = [f"# {shlex.join([f'{ENV_VAR}={where}', *self.torchrun_args('SCRIPT.py' if not self.launch.script else None)])}",
+                 f"# or: cptune launch {where}{'' if self.launch.script else ' -- SCRIPT.py [ARGS]'}"]
+        if self.metrics.measured:
+            lines.append(f"# measured by cptune search on {self.provenance.device_count} x {self.provenance.device} "
+                         f"({self.provenance.backend}), {self.provenance.date}")
+        else:
+            lines.append("# NOT MEASURED: written by hand or from defaults; run cptune search to measure")
+        return "\n".join(lines) + "\n"
+
+
+def _yaml_text(recipe: Recipe, path: str | os.PathLike | None) -> str:
+    body = yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+    return recipe.header(path) + body
+
+
+def save_recipe(recipe: Recipe, path: str | os.PathLike) -> Path:
+    """Write atomically: a failure never leaves a half-written recipe behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(_yaml_text(recipe, path))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_recipe(path: str | os.PathLike | None = None) -> Recipe:
+    """Read and validate a recipe; ``None`` reads the file named by $CPTUNE_RECIPE."""
+    if path is None:
+        path = os.environ.get(ENV_VAR)
+        if not path:
+            raise CPTuneError(f"no recipe given and ${ENV_VAR} is not set; pass a path or launch with cptune launch")
+    p = Path(path)
+    if not p.is_file():
+        raise ValidationError([Problem("recipe", f"{str(p)!r} does not exist", "check the path (cptune show lists it)")])
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValidationError([Problem("recipe", f"{p} is not valid YAML{where}: {getattr(exc, 'problem', exc)}",
+                                       "fix the YAML syntax there, or regenerate it with cptune search")]) from None
+    if not isinstance(data, dict):
+        raise ValidationError([Problem("recipe", f"{p} holds a {type(data).__name__}, not a mapping",
+                                       "a recipe is a YAML mapping with workload, config, launch, ... keys")])
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValidationError([Problem("schema_version", f"{p} has schema_version {version!r}",
+                                       f"this cptune reads version {SCHEMA_VERSION}: regenerate it with cptune search "
+                                       "or upgrade cptune")])
+    try:
+        return Recipe(**data)
+    except ValidationError as exc:
+        raise ValidationError([Problem(f"{p.name}: {pr.argument}", pr.message, pr.fix) for pr in exc.problems]) \
+            from None
+    except (TypeError, pydantic.ValidationError) as exc:  # nested sections that are not mappings
+        raise ValidationError([Problem(f"{p.name}", str(exc).splitlines()[0], "compare with a generated recipe")]) \
+            from None
+
+
+def environment() -> dict[str, Any]:
+    """What this process sees: used for provenance and by ``cptune check``."""
+    import torch
+
+    from . import __version__
+
+    cuda = torch.cuda.is_available()
+    return {
+        "cptune_version": __version__,
+        "torch_version": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "device_type": "cuda" if cuda else "cpu",
+        "device_count": torch.cuda.device_count() if cuda else (os.cpu_count() or 1),
+        "backend": "nccl" if cuda else "gloo",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def command_line() -> str:
+    return shlex.join(["cptune", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cptune" else shlex.join(sys.argv)
+
+
+def recipe_from_search(result: Any, script: str | None = None, args: list[str] | None = None,
+                       nnodes: int = 1) -> Recipe:
+    """The recipe for a search's best feasible configuration (``result``: a SearchResult)."""
+    best = result.best
+    if best is None:
+        raise CPTuneError("the search found no feasible configuration; nothing to write")
+    env = environment()
+    env.update(device_type=result.device, backend="nccl" if result.device == "cuda" else "gloo",
+               device_count=result.world_size)
+    if result.device == "cpu":
+        env["device"] = "cpu"
+    return Recipe(
+        workload=result.workload,
+        config=best.config,
+        launch=Launch(nnodes=nnodes, nproc_per_node=result.nproc_per_node, script=script, args=list(args or [])),
+        provenance=Provenance(**env, study_name=result.study_name, storage=result.storage,
+                              n_trials=len(result.trials), command=command_line()),
+        metrics=Metrics(measured=True, tokens_per_s=best.tokens_per_s, step_time_s=best.step_time_s,
+                        peak_bytes_per_rank=best.peak_per_rank, memory_budget=result.memory_budget,
+                        note=f"best of {len(result.trials)} trials; "
+                             f"{sum(r.state == 'ok' for r in result.trials)} feasible"),
+    )
+
+
+def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:
+    """Differences between ``recipe`` and this environment that matter, each with a fix."""
+    import torch
+    import torch.distributed as dist
+
+    from .validate import backend_problem
+
+    env, prov, problems = environment(), recipe.provenance, []
+    rerun = "re-run cptune search here and use its recipe"
+    if env["torch_version"].split("+")[0].rsplit(".", 1)[0] != prov.torch_version.split("+")[0].rsplit(".", 1)[0]:
+        problems.append(Problem("provenance.torch_version", f"measured with torch {prov.torch_version}, this is "
+                                f"{env['torch_version']}", f"install torch=={prov.torch_version.split('+')[0]} or {rerun}"))
+    if prov.device_type == "cuda" and not torch.cuda.is_available():
+        problems.append(Problem("provenance.device_type", "the recipe is for CUDA GPUs and none is visible here",
+                                "run it on a GPU machine, or generate a CPU recipe with cptune search --device cpu"))
+    elif prov.device_type == "cuda":
+        if env["device"] != prov.device:
+            problems.append(Problem("provenance.device", f"measured on {prov.device}, this is {env['device']}", rerun))
+        if torch.cuda.device_count() < recipe.launch.nproc_per_node:
+            problems.append(Problem("launch.nproc_per_node", f"wants {recipe.launch.nproc_per_node} GPUs per node, "
+                                    f"{torch.cuda.device_count()} visible", "lower nproc_per_node or use a bigger node"))
+        if not dist.is_nccl_available():
+            problems.append(Problem("provenance.backend", "nccl is not available in this torch", "install a CUDA torch"))
+    elif not dist.is_gloo_available():
+        problems.append(Problem("provenance.backend", "gloo is not available in this torch", "install torch with gloo"))
+    if world_size is not None and world_size != recipe.launch.world_size:
+        problems.append(Problem("launch", f"the recipe is for {recipe.launch.world_size} ranks "
+                                f"({recipe.launch.nnodes} x {recipe.launch.nproc_per_node}), this job has {world_size}",
+                                f"launch with {recipe.launch.world_size} ranks (cptune launch) or {rerun}"))
+    cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size
+    for backend in recipe.config.sdpa_backend or ():
+        why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=cp > 1)
+        if why and (prov.device_type == "cpu" or torch.cuda.is_available()):
+            problems.append(Problem("config.sdpa_backend", f"'{backend}' cannot run here: {why}", rerun))
+    return problems

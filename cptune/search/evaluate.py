@@ -1,0 +1,129 @@
+"""How a trial's configuration reaches the ranks: a local group cptune launched, or the user's torchrun job.
+
+Both evaluators take a configuration and return every rank's measurement, or raise a
+:class:`~cptune.CPTuneError` saying why the trial failed. The driver is the same for both.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import CPConfig
+from ..errors import CPTuneError
+from ..launch import GroupLost, RankFailure, WorkerGroup
+from .measure import MeasureSettings, baseline_on_rank, measure_on_rank
+from .workload import Workload
+
+MeasureFn = Callable[[Workload, CPConfig, MeasureSettings], dict]
+
+
+class TrialFailed(CPTuneError):
+    """A trial raised on a rank, hung, or lost a rank. ``reason`` is one line for the study."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        super().__init__(reason + (f"\n{detail}" if detail else ""))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+class LocalEvaluator:
+    """Ranks on this machine, launched once and relaunched after a hang or a lost rank."""
+
+    def __init__(self, nproc: int, device: str, trial_timeout: float, measure: MeasureFn = measure_on_rank,
+                 env: dict[str, str] | None = None) -> None:
+        self.world_size, self.device_type, self.nproc_per_node = nproc, device, nproc
+        self.trial_timeout, self.measure = trial_timeout, measure
+        self.group = WorkerGroup(nproc, device=device, timeout=max(120.0, trial_timeout), env=env)
+
+    def baseline(self, mesh_shapes) -> int:
+        return max(self.group.run(baseline_on_rank, mesh_shapes))
+
+    def __call__(self, workload: Workload, config: CPConfig, settings: MeasureSettings) -> list[dict]:
+        try:
+            return self.group.run(self.measure, workload, config, settings, timeout=self.trial_timeout)
+        except RankFailure as exc:
+            rank = min(exc.errors)
+            raise TrialFailed(f"rank {rank}: {_one_line(exc.errors[rank])}", exc.tracebacks[rank]) from None
+        except GroupLost as exc:
+            raise TrialFailed(str(exc).splitlines()[0] + "; the ranks were relaunched") from None
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class SPMDEvaluator:
+    """Inside the user's torchrun job: rank 0 drives, broadcasts each config, and gathers results.
+
+    The other ranks call :meth:`follow` and serve until rank 0 calls :meth:`close`. A trial
+    that outlives ``trial_timeout`` makes rank 0 record it as failed and exit, so torchrun
+    tears the job down; relaunched (``--max-restarts``), the search resumes past it.
+    """
+
+    def __init__(self, trial_timeout: float, measure: MeasureFn = measure_on_rank,
+                 on_timeout: Callable[[], None] | None = None) -> None:
+        self.world_size = dist.get_world_size()
+        self.nproc_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.trial_timeout, self.measure, self.on_timeout = trial_timeout, measure, on_timeout
+
+    def _broadcast(self, message: Any) -> Any:
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _serve(self, message: tuple) -> Any:
+        kind, *args = message
+        try:
+            value = baseline_on_rank(*args) if kind == "baseline" else self.measure(*args)
+            reply = ("ok", value)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the trial
+            reply = ("error", (_one_line(exc), traceback.format_exc()))
+        replies = [None] * self.world_size if dist.get_rank() == 0 else None
+        dist.gather_object(reply, replies, dst=0)
+        return replies
+
+    def follow(self) -> None:
+        while True:
+            message = self._broadcast(None)
+            if message is None:
+                return
+            self._serve(message)
+
+    def _ask(self, message: tuple) -> list:
+        self._broadcast(message)
+        timer = threading.Timer(self.trial_timeout, self._timed_out)
+        timer.daemon = True
+        timer.start()
+        try:
+            replies = self._serve(message)
+        finally:
+            timer.cancel()
+        errors = [(r, rep[1]) for r, rep in enumerate(replies) if rep[0] == "error"]
+        if errors:
+            rank, (line, detail) = errors[0]
+            raise TrialFailed(f"rank {rank}: {line}", detail)
+        return [rep[1] for rep in replies]
+
+    def _timed_out(self) -> None:
+        if self.on_timeout is not None:
+            self.on_timeout()
+        os._exit(124)
+
+    def baseline(self, mesh_shapes) -> int:
+        return max(self._ask(("baseline", mesh_shapes)))
+
+    def __call__(self, workload: Workload, config: CPConfig, settings: MeasureSettings) -> list[dict]:
+        return self._ask(("measure", workload, config, settings))
+
+    def close(self) -> None:
+        self._broadcast(None)

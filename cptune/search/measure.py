@@ -1,0 +1,119 @@
+"""What runs on every rank for one trial: build the step, time it, read the peak memory."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from ..config import CPConfig, StrictModel
+from ..context import context_parallel
+from .memory import current_usage, read_peak, reset_peak
+from .workload import ProxyStep, Workload, build_user_step
+
+
+class MeasureSettings(StrictModel):
+    """How long each trial is timed. Every rank takes the same decisions (max elapsed time)."""
+
+    warmup: int = Field(1, ge=0, json_schema_extra={"fix": "use a warm-up count >= 0"})
+    min_repeats: int = Field(3, ge=1, json_schema_extra={"fix": "use at least 1 repeat"})
+    max_repeats: int = Field(20, ge=1, json_schema_extra={"fix": "use max_repeats >= min_repeats"})
+    min_seconds: float = Field(1.0, ge=0, json_schema_extra={"fix": "use a non-negative time"})
+
+
+def rank_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _release_free_memory() -> None:
+    """Give freed heap back to the OS so VmHWM starts from what is really in use."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSettings) -> dict:
+    """Time ``workload``'s step under ``config`` on this rank. Collective: call on every rank."""
+    device = rank_device()
+    _release_free_memory()
+    baseline = current_usage(device)
+    reset_peak(device)
+    cp = config.mesh_shape[1]
+    if workload.step:
+        step, buffers, seq_dims = build_user_step(workload, device)
+        buffers, seq_dims = list(buffers), list(seq_dims)
+
+        def run() -> None:
+            with context_parallel(buffers=buffers, seq_dims=seq_dims, config=config, causal=workload.causal):
+                step(*buffers)
+    else:
+        proxy = ProxyStep(workload, device, cp)
+
+        def run() -> None:
+            with context_parallel(config=config, causal=workload.causal):
+                proxy()
+
+    for _ in range(settings.warmup):
+        run()
+    times: list[float] = []
+    start = time.perf_counter()
+    while True:
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
+                               device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        n = len(times)
+        if n >= settings.max_repeats or (n >= settings.min_repeats and elapsed.item() >= settings.min_seconds):
+            break
+    _sync(device)
+    return {"rank": dist.get_rank(), "times": times, "peak": read_peak(device), "baseline": baseline,
+            "pid": os.getpid()}
+
+
+def baseline_on_rank(mesh_shapes: Sequence[tuple[int, int]] = ()) -> int:
+    """Memory a rank uses before any trial: the interpreter, torch, the process groups of every
+    mesh in the search, and the attention kernels' code and thread pools, paged in by a tiny
+    forward + backward under each mesh shape."""
+    device = rank_device()
+    tiny = Workload(seq_len=64, heads=2, head_dim=16)
+    for dp, cp in [(dist.get_world_size(), 1), *mesh_shapes]:
+        proxy = ProxyStep(tiny, device, cp)
+        with context_parallel(config=CPConfig(mesh_shape=(dp, cp)), causal=True):
+            proxy()
+        del proxy
+    _release_free_memory()
+    return current_usage(device)
+
+
+def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig) -> dict:
+    """Step time = median over repeats of the slowest rank; tokens/s for the whole world."""
+    steps = [max(r["times"][i] for r in per_rank) for i in range(min(len(r["times"]) for r in per_rank))]
+    step_time = statistics.median(steps)
+    dp = config.mesh_shape[0]
+    return {
+        "step_time_s": step_time,
+        "tokens_per_s": dp * workload.batch * workload.seq_len / step_time,
+        "peak_bytes": max(r["peak"] for r in per_rank),
+        "peak_per_rank": [r["peak"] for r in per_rank],
+        "repeats": len(steps),
+        "spread": (max(steps) - min(steps)) / step_time if steps else 0.0,
+    }

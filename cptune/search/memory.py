@@ -1,0 +1,117 @@
+"""Per-rank memory: an analytic model of the proxy step's peak, budgets, and real peak readings."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from ..config import CPConfig
+from ..errors import Problem, ValidationError
+from .workload import Workload
+
+PRUNE_FACTOR = 1.5
+"""Configs predicted above PRUNE_FACTOR x budget are recorded infeasible without running."""
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_size(text: str | int | float) -> int:
+    """'70GiB', '512MB', '2g', or a plain number of bytes -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValidationError([Problem("--memory-budget", f"cannot read {text!r} as a size",
+                                       "write it like 70GiB, 512MiB or 2GB")])
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.2f}{unit}"
+        n /= 1024
+    return str(n)
+
+
+def total_device_memory(device_type: str) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budget(device_type: str, nproc_per_node: int, fraction: float = 0.9) -> int:
+    """A fraction of one GPU's memory, or of this machine's RAM shared by its local ranks."""
+    total = total_device_memory(device_type)
+    return int(fraction * total if device_type == "cuda" else fraction * total / max(1, nproc_per_node))
+
+
+def predict_peak(workload: Workload, config: CPConfig, baseline: int = 0) -> int:
+    """Predicted peak bytes on one rank for the proxy step (fwd + bwd), plus ``baseline``.
+
+    Counts what the step holds at its peak (during backward): inputs, output and its grad,
+    the CPU/GPU kernels' float32 workspaces, the ring's communication buffers (allgather holds every rank's k/v; alltoall one block in
+    flight each way), the float32 merge/accumulation buffers, and q/k/v grads.
+    """
+    w = workload
+    dp, cp = config.mesh_shape
+    local = w.seq_len // cp
+    e, f32 = w.itemsize, 4
+    q = w.batch * w.heads * local * w.head_dim  # elements of one (B, H, S/cp, D) tensor
+    kv = w.batch * (w.kv_heads or w.heads) * local * w.head_dim
+    expanded = q if kv != q else 0  # GQA: k and v repeated to every query head
+    # q, k, v, out, grad_out; dq, dk, dv; two fp32 kernel workspaces of q's size; lse; GQA copies
+    held = (3 * q + 2 * kv) * e + (q + 2 * kv) * e + 2 * q * f32 + w.batch * w.heads * local * f32 \
+        + 2 * expanded * 2 * e
+    if cp == 1:
+        ring = 0
+    else:
+        kv_block = 2 * q * e
+        rotate = cp * kv_block + kv_block if config.rotate_method == "allgather" else 3 * kv_block
+        merge = 2 * q * f32 + 2 * w.batch * w.heads * local * f32
+        grads = (3 * q + 2 * 2 * q) * f32  # fp32 dq, dk, dv and the dk/dv block in flight
+        ring = rotate + max(merge, grads)
+    return int(baseline + held + ring)
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak-memory window (CUDA allocator stats, or Linux VmHWM via clear_refs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux: VmHWM then holds the peak since the process started (an upper bound)
+
+
+def read_peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _proc_status_kb("VmHWM") * 1024
+
+
+def current_usage(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return _proc_status_kb("VmRSS") * 1024
+
+
+def _proc_status_kb(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -1,0 +1,101 @@
+"""What a search returns: every trial of the study, ranked, and the best feasible configuration."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import optuna
+
+from ..config import CPConfig
+from .memory import format_size
+from .workload import Workload
+
+
+@dataclass
+class TrialRecord:
+    number: int
+    config: CPConfig
+    state: str  # "ok", "infeasible", "invalid", "failed"
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    peak_bytes: int | None = None
+    predicted_bytes: int | None = None
+    peak_per_rank: list[int] | None = None
+    feasible: bool | None = None
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["config"] = self.config.model_dump(mode="json")
+        d["label"] = self.config.label()
+        return d
+
+
+def record_from(t: optuna.trial.FrozenTrial) -> TrialRecord:
+    a = t.user_attrs
+    reason = a.get("reason", "")
+    if t.state == optuna.trial.TrialState.COMPLETE:
+        state = "ok" if a.get("feasible") else "infeasible"
+    elif reason.startswith("invalid"):
+        state = "invalid"
+    elif t.state == optuna.trial.TrialState.PRUNED:
+        state = "infeasible"
+    else:
+        state = "failed"
+        reason = reason or f"trial ended {t.state.name.lower()} without a reason (driver stopped?)"
+    return TrialRecord(number=t.number, config=CPConfig(**a["config"]), state=state,
+                       tokens_per_s=t.value if t.state == optuna.trial.TrialState.COMPLETE else None,
+                       step_time_s=a.get("step_time_s"), peak_bytes=a.get("peak_bytes"),
+                       predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"), feasible=a.get("feasible"), reason=reason)
+
+
+@dataclass
+class SearchResult:
+    study_name: str
+    storage: str | None
+    workload: Workload
+    world_size: int
+    device: str
+    nproc_per_node: int
+    memory_budget: int
+    trials: list[TrialRecord] = field(default_factory=list)
+    evaluated_now: int = 0
+    complete: bool = False
+
+    @property
+    def ranked(self) -> list[TrialRecord]:
+        """Feasible trials fastest first, then the rest."""
+        def order(r: TrialRecord) -> tuple:
+            return (r.state != "ok", -(r.tokens_per_s or 0.0), r.number)
+        return sorted(self.trials, key=order)
+
+    @property
+    def best(self) -> TrialRecord | None:
+        ok = [r for r in self.trials if r.state == "ok"]
+        return max(ok, key=lambda r: r.tokens_per_s) if ok else None
+
+    def why_nothing(self) -> str:
+        if not self.trials:
+            return "no trial ran (raise --n-trials or --timeout)"
+        lines = [f"  {r.config.label()}: {r.state} ({r.reason})" for r in self.ranked]
+        return "no configuration fits the memory budget " + format_size(self.memory_budget) + ":\n" + "\n".join(lines)
+
+    def table(self) -> str:
+        head = f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'peak':>10} {'predicted':>10}  {'feasible':<8} reason"
+        lines = [head, "-" * len(head)]
+        for r in self.ranked:
+            tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
+            feasible = {True: "yes", False: "no", None: "-"}[r.feasible]
+            lines.append(f"{r.number:>3}  {r.config.label():<34} {tps:>10} {format_size(r.peak_bytes):>10} "
+                         f"{format_size(r.predicted_bytes):>10}  {feasible:<8} {r.reason}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.best
+        return {
+            "study_name": self.study_name, "storage": self.storage, "workload": self.workload.model_dump(mode="json"),
+            "world_size": self.world_size, "device": self.device, "memory_budget": self.memory_budget,
+            "evaluated_now": self.evaluated_now, "complete": self.complete,
+            "best": best.to_dict() if best else None, "trials": [r.to_dict() for r in self.ranked],
+        }

@@ -1,0 +1,109 @@
+"""What the search measures: the attention-only proxy step, or the user's own step function."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+
+from ..config import StrictModel
+from ..errors import CPTuneError, Problem, ValidationError
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class Workload(StrictModel):
+    """One training step's attention shape, per data-parallel replica."""
+
+    seq_len: int = Field(8192, gt=0, json_schema_extra={"fix": "give --seq-len as a positive token count"})
+    batch: int = Field(1, gt=0, json_schema_extra={"fix": "give --batch as a positive count per replica"})
+    heads: int = Field(8, gt=0, json_schema_extra={"fix": "give --heads as a positive count"})
+    kv_heads: int | None = Field(None, gt=0, json_schema_extra={
+        "fix": "give --kv-heads dividing --heads, or leave it out for kv_heads = heads"})
+    head_dim: int = Field(64, gt=0, json_schema_extra={"fix": "give --head-dim as a positive size"})
+    dtype: DType = Field("float32", json_schema_extra={"fix": "use --dtype float32, bfloat16 or float16"})
+    causal: bool = True
+    step: str | None = Field(None, json_schema_extra={
+        "fix": "give --workload as 'module:function' naming an importable function"})
+    """'module:function' building the user's step (see :func:`load_user_step`); None: the proxy."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> Workload:
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.step is not None and (":" not in self.step or self.step.count(":") != 1):
+            raise ValueError(f"step must look like 'module:function', got {self.step!r}")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    def describe(self) -> str:
+        kind = "causal" if self.causal else "non-causal"
+        gqa = f"/{self.kv_heads}kv" if self.kv_heads and self.kv_heads != self.heads else ""
+        base = f"S={self.seq_len} B={self.batch} H={self.heads}{gqa} D={self.head_dim} {self.dtype} {kind}"
+        return base + (f" step={self.step}" if self.step else "")
+
+
+StepFn = Callable[..., object]
+
+
+class ProxyStep:
+    """SDPA forward + backward on this rank's (B, H, S/cp, D) shard: what CP changes in a step.
+
+    Inputs are made at their local size (each rank holds only its part of the sequence, as in
+    training where q/k/v come from sharded token ids), so measured memory is what CP saves.
+    """
+
+    def __init__(self, workload: Workload, device: torch.device, cp: int) -> None:
+        w = workload
+        local = w.seq_len // cp
+        gen = torch.Generator(device=device).manual_seed(0)
+        kv = w.kv_heads or w.heads
+
+        def make(h: int) -> torch.Tensor:
+            return torch.randn(w.batch, h, local, w.head_dim, device=device, generator=gen,
+                               dtype=torch.float32).to(w.torch_dtype)
+
+        self.q, self.k, self.v = make(w.heads).requires_grad_(), make(kv).requires_grad_(), make(kv).requires_grad_()
+        self.grad = make(w.heads)
+        self.causal, self.gqa = w.causal, kv != w.heads
+
+    def __call__(self) -> None:
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+        out = F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal, enable_gqa=self.gqa)
+        out.backward(self.grad)
+
+
+def load_user_step(spec: str) -> Callable[[Workload, torch.device], tuple[StepFn, Sequence[torch.Tensor], Sequence[int]]]:
+    """Import 'module:function'. The function takes (workload, device), builds its model once and
+    returns (step, buffers, seq_dims): ``step(*buffers)`` runs one forward + backward on the
+    buffers cptune has sharded (e.g. input_ids, labels), and ``seq_dims`` gives their sequence dims."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValidationError([Problem("--workload", f"cannot import {module_name!r}: {exc}",
+                                       "make the module importable (run from its folder or install it)")]) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValidationError([Problem("--workload", f"{module_name} has no function {attr!r}",
+                                       f"name a function defined in {module_name}")])
+    return fn
+
+
+def build_user_step(workload: Workload, device: torch.device):
+    made = load_user_step(workload.step)(workload, device)
+    if not (isinstance(made, tuple) and len(made) == 3 and callable(made[0])):
+        raise CPTuneError(f"{workload.step} must return (step, buffers, seq_dims); got {type(made).__name__}")
+    return made
