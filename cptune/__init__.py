@@ -6,12 +6,16 @@ Main API:
 - :func:`context_parallel`: context manager / decorator that shards sequence buffers and runs
   every SDPA call inside as ring attention over the CP ranks.
 - :func:`unshard`: the full tensors back, in original order.
+- :func:`search`: measure configurations on real ranks, return the fastest that fits in memory.
+- :func:`load_recipe` / :class:`Recipe`: the search's result as a torchrun recipe file.
 - :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
 """
 
 from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, unshard
 from .errors import CPTuneError, Problem, ValidationError
+from .recipe import Recipe, load_recipe, save_recipe
+from .search import SearchResult, Workload, search
 
 __version__ = "0.1.0"
 
@@ -20,7 +24,13 @@ __all__ = [
     "CPTuneError",
     "CPTuneWarning",
     "Problem",
+    "Recipe",
+    "SearchResult",
     "ValidationError",
+    "Workload",
     "context_parallel",
+    "load_recipe",
+    "save_recipe",
+    "search",
     "unshard",
 ]

@@ -70,6 +70,7 @@ def _init_torchrun() -> bool:
 @click.option("--head-dim", type=int, default=64, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--layers", type=int, default=1, show_default=True, help="Attention layers in the proxy step.")
 @click.option("--workload", "step", default=None, metavar="MODULE:FUNCTION",
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
 @click.option("--nproc", type=int, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
@@ -85,7 +86,7 @@ def _init_torchrun() -> bool:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, step, nproc, device, memory_budget, storage,
+def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, step, nproc, device, memory_budget, storage,
            study_name, n_trials, timeout, trial_timeout, sampler, min_seconds, out, script, as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
 
@@ -102,7 +103,7 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, step, nproc
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     workload = Workload(seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                        dtype=dtype, causal=causal, step=step)
+                        dtype=dtype, causal=causal, layers=layers, step=step)
     if step and "" not in sys.path:
         sys.path.insert(0, "")  # --workload modules are found from the current folder, like python -m
     is_rank0 = _init_torchrun()

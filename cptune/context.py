@@ -59,8 +59,8 @@ class _SDPAMode(TorchFunctionMode):
 class _Session:
     """One activation of a context_parallel: validated inputs, mesh, shards, and what to undo."""
 
-    def __init__(self, config: CPConfig, causal: bool) -> None:
-        self.config, self.causal = config, causal
+    def __init__(self, config: CPConfig, causal: bool, recipe: Any = None) -> None:
+        self.config, self.causal, self.recipe = config, causal, recipe
         self.dp = self.cp = 1
         self.cp_rank = 0
         self.mesh: DeviceMesh | None = None
@@ -78,6 +78,8 @@ class _Session:
     def start(self, mesh: DeviceMesh | None, buffers: Any, seq_dims: Any, no_restore: Sequence[Any],
               inplace: bool) -> _Session:
         problems = self._resolve_mesh(mesh, _first_device_type(buffers))
+        if self.recipe is not None:
+            problems += self._recipe_problems()
         self.plan, buffer_problems = check_buffers(
             buffers, seq_dims, cp=self.cp, load_balance=self.config.load_balance, causal=self.causal,
             device_type=self.device_type, no_restore=no_restore)
@@ -148,6 +150,21 @@ class _Session:
         elif dist.is_initialized() and dist.get_backend() == "nccl":
             self.device_type = "cuda"
         return []
+
+    def _recipe_problems(self) -> list[Problem]:
+        launch, prov = self.recipe.launch, self.recipe.provenance
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        problems = []
+        if world != launch.world_size:
+            problems.append(Problem("recipe", f"is for {launch.world_size} ranks ({launch.nnodes} node(s) x "
+                                    f"{launch.nproc_per_node}) but this job has {world}",
+                                    f"launch with cptune launch (it starts {launch.world_size} ranks) or use a "
+                                    f"recipe searched for {world} ranks"))
+        if prov.device_type != self.device_type:
+            problems.append(Problem("recipe", f"was measured on {prov.device_type} but these buffers are on "
+                                    f"{self.device_type}", f"run on {prov.device_type} or search again on "
+                                    f"{self.device_type}"))
+        return problems
 
     def _build_mesh(self) -> None:
         if self.cp_mesh is None and self.cp > 1:
@@ -230,6 +247,22 @@ class _Session:
         return out[0] if single else out
 
 
+def _recipe_for(config: ConfigLike, recipe: Any) -> Any:
+    """The recipe to follow: the one given, else $CPTUNE_RECIPE when no config is given."""
+    import os
+
+    from .recipe import ENV_VAR, Recipe, load_recipe
+
+    if recipe is not None and config is not None:
+        raise ValidationError([Problem("recipe", "is given together with config",
+                                       "pass either config= or recipe=, not both")])
+    if recipe is None and config is None and os.environ.get(ENV_VAR):
+        recipe = os.environ[ENV_VAR]
+    if recipe is None or isinstance(recipe, Recipe):
+        return recipe
+    return load_recipe(recipe)
+
+
 def _restore(t: torch.Tensor, saved: torch.Tensor) -> None:
     with torch.no_grad():
         t.set_(saved)
@@ -267,6 +300,10 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         @cptune.context_parallel(seq_dims={"input_ids": 1, "labels": 1}, config=cfg)
         def train_step(model, input_ids, labels): ...
 
+    ``recipe``: a recipe file (or :class:`cptune.recipe.Recipe`) whose configuration to use;
+    with neither ``config`` nor ``recipe`` given, the recipe named by $CPTUNE_RECIPE (set by
+    ``cptune launch``) is used if set. A recipe for another world size or device is an error.
+
     ``mesh``: a 1-D mesh, or one with a dim named "cp"; None builds a ("dp", "cp") mesh of
     ``config.mesh_shape`` over the default process group. On exit every global cptune set
     (SDPA kernel choice, torch's rotate method and load-balance flag, the SDPA hook) is back
@@ -274,8 +311,10 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
     """
 
     def __init__(self, buffers: Any = None, seq_dims: Any = None, *, config: ConfigLike = None,
-                 mesh: DeviceMesh | None = None, causal: bool = True, no_restore: Sequence[Any] = ()) -> None:
-        self.config = as_config(config)
+                 mesh: DeviceMesh | None = None, causal: bool = True, no_restore: Sequence[Any] = (),
+                 recipe: Any = None) -> None:
+        self.recipe = _recipe_for(config, recipe)
+        self.config = self.recipe.config if self.recipe is not None else as_config(config)
         self.buffers, self.seq_dims, self.mesh = buffers, seq_dims, mesh
         self.causal, self.no_restore = bool(causal), tuple(no_restore)
         self._session: _Session | None = None
@@ -286,7 +325,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         if any(isinstance(s, _Session) for s in _ACTIVE):
             raise CPTuneError("a cptune.context_parallel block is already active in this process; "
                               "nest attention inside one block instead of opening another")
-        self._session = _Session(self.config, self.causal)
+        self._session = _Session(self.config, self.causal, self.recipe)
         return self._session
 
     def __enter__(self) -> context_parallel:

@@ -76,7 +76,10 @@ def predict_peak(workload: Workload, config: CPConfig, baseline: int = 0) -> int
         merge = 2 * q * f32 + 2 * w.batch * w.heads * local * f32
         grads = (3 * q + 2 * 2 * q) * f32  # fp32 dq, dk, dv and the dk/dv block in flight
         ring = rotate + max(merge, grads)
-    return int(baseline + held + ring)
+    # Each further layer keeps its input, output and residual sum (and, under CP, the ring's
+    # float32 merged output and log-sum-exp) for backward: calibrated on CPU, float32.
+    per_layer = (3.5 if cp == 1 else 5.5) * q * e
+    return int(baseline + held + ring + (w.layers - 1) * per_layer)
 
 
 def reset_peak(device: torch.device) -> None:

@@ -27,6 +27,8 @@ class Workload(StrictModel):
     head_dim: int = Field(64, gt=0, json_schema_extra={"fix": "give --head-dim as a positive size"})
     dtype: DType = Field("float32", json_schema_extra={"fix": "use --dtype float32, bfloat16 or float16"})
     causal: bool = True
+    layers: int = Field(1, gt=0, json_schema_extra={"fix": "give --layers as a positive count"})
+    """Attention layers in the proxy step; each keeps its activations for backward, as a model's do."""
     step: str | None = Field(None, json_schema_extra={
         "fix": "give --workload as 'module:function' naming an importable function"})
     """'module:function' building the user's step (see :func:`load_user_step`); None: the proxy."""
@@ -50,7 +52,8 @@ class Workload(StrictModel):
     def describe(self) -> str:
         kind = "causal" if self.causal else "non-causal"
         gqa = f"/{self.kv_heads}kv" if self.kv_heads and self.kv_heads != self.heads else ""
-        base = f"S={self.seq_len} B={self.batch} H={self.heads}{gqa} D={self.head_dim} {self.dtype} {kind}"
+        layers = f" L={self.layers}" if self.layers != 1 else ""
+        base = f"S={self.seq_len} B={self.batch} H={self.heads}{gqa} D={self.head_dim}{layers} {self.dtype} {kind}"
         return base + (f" step={self.step}" if self.step else "")
 
 
@@ -58,31 +61,31 @@ StepFn = Callable[..., object]
 
 
 class ProxyStep:
-    """SDPA forward + backward on this rank's (B, H, S/cp, D) shard: what CP changes in a step.
+    """``layers`` residual self-attention layers, forward + backward, on this rank's (B, H, S/cp, D) shard.
 
-    Inputs are made at their local size (each rank holds only its part of the sequence, as in
-    training where q/k/v come from sharded token ids), so measured memory is what CP saves.
+    Each layer computes ``h = h + SDPA(h, h', h')`` (``h'``: the first kv_heads heads, for
+    GQA), so what a layer keeps for backward grows with its share of the sequence, like a
+    model's activations, while the ring's buffers live one layer at a time. Inputs are made
+    at their local size (each rank holds only its part of the sequence, as in training where
+    activations come from sharded token ids), so measured memory is what CP really uses.
     """
 
     def __init__(self, workload: Workload, device: torch.device, cp: int) -> None:
         w = workload
-        local = w.seq_len // cp
         gen = torch.Generator(device=device).manual_seed(0)
-        kv = w.kv_heads or w.heads
-
-        def make(h: int) -> torch.Tensor:
-            return torch.randn(w.batch, h, local, w.head_dim, device=device, generator=gen,
-                               dtype=torch.float32).to(w.torch_dtype)
-
-        self.q, self.k, self.v = make(w.heads).requires_grad_(), make(kv).requires_grad_(), make(kv).requires_grad_()
-        self.grad = make(w.heads)
-        self.causal, self.gqa = w.causal, kv != w.heads
+        shape = (w.batch, w.heads, w.seq_len // cp, w.head_dim)
+        self.x = torch.randn(shape, device=device, generator=gen).to(w.torch_dtype).requires_grad_()
+        self.grad = torch.randn(shape, device=device, generator=gen).to(w.torch_dtype)
+        self.kv_heads = w.kv_heads or w.heads
+        self.causal, self.layers, self.gqa = w.causal, w.layers, self.kv_heads != w.heads
 
     def __call__(self) -> None:
-        for t in (self.q, self.k, self.v):
-            t.grad = None
-        out = F.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=self.causal, enable_gqa=self.gqa)
-        out.backward(self.grad)
+        self.x.grad = None
+        h = self.x
+        for _ in range(self.layers):
+            kv = h[:, : self.kv_heads].contiguous() if self.gqa else h
+            h = h + F.scaled_dot_product_attention(h, kv, kv, is_causal=self.causal, enable_gqa=self.gqa)
+        h.backward(self.grad)
 
 
 def load_user_step(spec: str) -> Callable[[Workload, torch.device], tuple[StepFn, Sequence[torch.Tensor], Sequence[int]]]:

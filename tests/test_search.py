@@ -1,0 +1,166 @@
+"""The search: space, memory model, and the driver on real ranks with an injected deterministic timer."""
+
+import os
+import signal
+import time
+
+import optuna
+import pytest
+import torch.distributed as dist
+
+import cptune
+from cptune.search import MeasureSettings, Workload, all_configs, config_key, pytorch_default
+from cptune.search.memory import format_size, parse_size, predict_peak
+from cptune.search.space import invalid_reason, mesh_shapes
+
+GiB = 2**30
+
+
+def test_mesh_shapes_and_space():
+    assert mesh_shapes(4) == [(1, 4), (2, 2), (4, 1)]
+    causal = all_configs(Workload(seq_len=4096), 2, "cpu")
+    assert sorted(config_key(c) for c in causal) == [
+        "dp1-cp2-allgather-lb-flash", "dp1-cp2-allgather-nolb-flash", "dp1-cp2-alltoall-lb-flash",
+        "dp1-cp2-alltoall-nolb-flash", "dp2-cp1-allgather-nolb-flash"]
+    full = all_configs(Workload(seq_len=4096, causal=False), 2, "cpu")
+    assert len(full) == 3 and not any(c.load_balance for c in full)
+    assert len(all_configs(Workload(seq_len=4096), 4, "cpu")) == 9  # cp4: 4, cp2: 4, cp1: 1
+
+
+def test_invalid_configs_say_why():
+    w = Workload(seq_len=6)
+    lb4 = cptune.CPConfig(mesh_shape=(1, 4), load_balance=True, sdpa_backend="flash")
+    assert "not divisible by cp=4" in invalid_reason(w, lb4, "cpu")
+    lb2 = cptune.CPConfig(mesh_shape=(1, 2), load_balance=True, sdpa_backend="flash")
+    assert "divisible by 2*cp=4" in invalid_reason(w, lb2, "cpu")
+    eff = cptune.CPConfig(mesh_shape=(1, 2), load_balance=False, sdpa_backend="efficient")
+    assert "no 'efficient' kernel on cpu" in invalid_reason(Workload(seq_len=8), eff, "cpu")
+    default = pytorch_default(Workload(seq_len=4096), 2, "cpu")
+    assert default.rotate_method == "allgather" and default.load_balance is True and default.mesh_shape == (1, 2)
+
+
+def test_sizes_and_memory_model_shape():
+    assert parse_size("2GiB") == 2 * GiB and parse_size("1.5 MB") == 1_500_000 and parse_size(1024) == 1024
+    with pytest.raises(cptune.ValidationError, match="write it like 70GiB"):
+        parse_size("lots")
+    assert format_size(3 * GiB) == "3.00GiB"
+    w = Workload(seq_len=2**16, layers=16)
+    dp = predict_peak(w, cptune.CPConfig(mesh_shape=(2, 1)))
+    cp = predict_peak(w, cptune.CPConfig(mesh_shape=(1, 2)))
+    assert cp < dp  # with depth, holding half the sequence beats the ring's buffers
+    one = predict_peak(Workload(seq_len=2**16), cptune.CPConfig(mesh_shape=(1, 2), rotate_method="allgather"))
+    a2a = predict_peak(Workload(seq_len=2**16), cptune.CPConfig(mesh_shape=(1, 4), rotate_method="alltoall"))
+    ag4 = predict_peak(Workload(seq_len=2**16), cptune.CPConfig(mesh_shape=(1, 4), rotate_method="allgather"))
+    assert a2a < ag4 < one  # allgather holds every rank's k/v
+
+
+# -- the driver on 2 real ranks, with a deterministic fake measurement ---------------------
+
+STEP_TIMES = {  # config key -> (seconds per step, peak bytes); behaviour below
+    "dp2-cp1-allgather-nolb-flash": (1.0, 3 * GiB),   # fastest, but over the 2GiB budget
+    "dp1-cp2-alltoall-lb-flash": (1.5, 1 * GiB),      # the best feasible
+    "dp1-cp2-allgather-lb-flash": (1.8, 1 * GiB),     # rank 1 is killed during this trial
+    "dp1-cp2-alltoall-nolb-flash": (2.0, 1 * GiB),    # raises on rank 1
+    "dp1-cp2-allgather-nolb-flash": (2.2, 1 * GiB),   # hangs on rank 0
+}
+
+
+def fake_measure(workload, config, settings):
+    key = config_key(config)
+    log = os.environ.get("CPTUNE_TEST_LOG")
+    if log and dist.get_rank() == 0:
+        with open(log, "a") as f:
+            f.write(key + "\n")
+    dist.barrier()
+    if os.environ.get("CPTUNE_TEST_FAULTS"):
+        if key == "dp1-cp2-allgather-lb-flash" and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if key == "dp1-cp2-alltoall-nolb-flash" and dist.get_rank() == 1:
+            raise ValueError("injected failure")
+        if key == "dp1-cp2-allgather-nolb-flash" and dist.get_rank() == 0:
+            time.sleep(3600)
+    seconds, peak = STEP_TIMES[key]
+    return {"rank": dist.get_rank(), "times": [seconds] * 3, "peak": peak, "baseline": 0, "pid": os.getpid()}
+
+
+@pytest.fixture
+def study_env(tmp_path, monkeypatch):
+    log = tmp_path / "measured.log"
+    monkeypatch.setenv("CPTUNE_TEST_LOG", str(log))
+    return f"sqlite:///{tmp_path / 'study.db'}", log
+
+
+def _search(storage, **kw):
+    kw.setdefault("memory_budget", "2GiB")
+    return cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=fake_measure,
+                         settings=MeasureSettings(min_seconds=0), **kw)
+
+
+def test_finds_known_best_respects_budget_and_resumes(study_env):
+    storage, log = study_env
+    first = _search(storage, n_trials=2)
+    assert first.evaluated_now == 2 and not first.complete
+    second = _search(storage)
+    assert second.evaluated_now == 3 and second.complete
+    measured = log.read_text().split()
+    assert sorted(measured) == sorted(STEP_TIMES)  # every config once: none repeated on resume
+    assert second.best.config.label() == "dp1·cp2 alltoall lb flash"
+    assert second.best.tokens_per_s == pytest.approx(1024 / 1.5)
+    dp = next(r for r in second.trials if r.config.mesh_shape == (2, 1))
+    assert dp.state == "infeasible" and "measured peak 3.00GiB > budget 2.00GiB" in dp.reason
+    third = _search(storage)
+    assert third.evaluated_now == 0 and len(log.read_text().split()) == 5
+    study = optuna.load_study(study_name=second.study_name, storage=storage)
+    attrs = study.trials[0].user_attrs
+    assert {"config", "tokens_per_s", "peak_bytes", "predicted_bytes", "feasible"} <= set(attrs)
+
+
+def test_survives_a_failing_a_killed_and_a_hanging_trial(study_env, monkeypatch):
+    storage, log = study_env
+    monkeypatch.setenv("CPTUNE_TEST_FAULTS", "1")
+    result = _search(storage, trial_timeout=8)
+    by_key = {config_key(r.config): r for r in result.trials}
+    assert result.complete and len(by_key) == 5
+    assert by_key["dp1-cp2-alltoall-nolb-flash"].state == "failed"
+    assert "rank 1: ValueError: injected failure" in by_key["dp1-cp2-alltoall-nolb-flash"].reason
+    assert "died" in by_key["dp1-cp2-allgather-lb-flash"].reason
+    assert "no result from rank(s) [0] after 8s" in by_key["dp1-cp2-allgather-nolb-flash"].reason
+    assert result.best.config.label() == "dp1·cp2 alltoall lb flash"
+    assert _search(storage).evaluated_now == 0  # failed trials are finished: not retried
+
+
+def test_invalid_configs_are_never_run(study_env):
+    storage, log = study_env
+    result = cptune.search(Workload(seq_len=6), nproc=2, storage=storage, measure=fake_measure,
+                           memory_budget="2GiB", settings=MeasureSettings(min_seconds=0))
+    assert sorted(log.read_text().split()) == ["dp1-cp2-allgather-nolb-flash", "dp1-cp2-alltoall-nolb-flash",
+                                               "dp2-cp1-allgather-nolb-flash"]
+    invalid = [r for r in result.trials if r.state == "invalid"]
+    assert len(invalid) == 2 and all("2*cp=4" in r.reason for r in invalid)
+
+
+def test_predicted_far_over_budget_is_not_run(study_env):
+    storage, log = study_env
+    result = cptune.search(Workload(seq_len=2**22), nproc=2, storage=storage, measure=fake_measure,
+                           memory_budget="64MiB", settings=MeasureSettings(min_seconds=0))
+    assert not log.exists()
+    assert result.best is None and all(r.state == "infeasible" and "not run" in r.reason for r in result.trials)
+    assert "no configuration fits the memory budget 64.00MiB" in result.why_nothing()
+
+
+def test_study_for_another_workload_is_refused(study_env):
+    storage, _ = study_env
+    _search(storage, n_trials=1, study_name="shared")
+    with pytest.raises(cptune.ValidationError, match="use a new --study-name"):
+        cptune.search(Workload(seq_len=2048), nproc=2, storage=storage, study_name="shared", measure=fake_measure)
+
+
+def _spmd_search(storage):
+    return cptune.search(Workload(seq_len=1024), storage=storage, memory_budget="2GiB", measure=fake_measure,
+                         settings=MeasureSettings(min_seconds=0))
+
+
+def test_inside_torchrun_rank0_drives(ranks, tmp_path):
+    results = ranks(2).run(_spmd_search, f"sqlite:///{tmp_path / 'spmd.db'}")
+    assert results[1] is None
+    assert results[0].complete and results[0].best.config.label() == "dp1·cp2 alltoall lb flash"
