@@ -24,6 +24,7 @@ class TrialRecord:
     peak_per_rank: list[int] | None = None
     feasible: bool | None = None
     reason: str = ""
+    measurements: int = 1  # tokens_per_s is the median of this many measurements
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

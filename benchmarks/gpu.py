@@ -1,0 +1,125 @@
+"""GPU benchmark (one GPU, under 8 minutes): SDPA backend sweep at cp=1 and memory-model calibration.
+
+    python -m benchmarks.gpu                   # on a machine with a CUDA GPU
+    python -m benchmarks.gpu --smoke           # a tiny CPU run of the same code path (CI)
+
+1. Backend sweep: flash, efficient and cuDNN attention, bfloat16, causal forward + backward,
+   B=1, H=16, D=128, sequence lengths 8K to 64K: achieved TFLOP/s (7 * B * H * S^2 * D flops:
+   causal forward 2 * B*H*S^2*D, backward 2.5x that).
+2. Memory model calibration: the proxy step at cp=1 for each length, predicted peak
+   (cptune.search.memory.predict_peak) against torch.cuda.max_memory_allocated.
+Writes benchmarks/results/gpu-<date>/results.md and results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cptune.config import CPConfig
+from cptune.search.memory import current_usage, predict_peak, read_peak, reset_peak
+from cptune.search.workload import ProxyStep, Workload
+
+KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+           "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def _time(fn, device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def backend_sweep(device: torch.device, lengths, heads: int, head_dim: int, dtype: torch.dtype, backends) -> list:
+    rows = []
+    for s in lengths:
+        q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
+        for name in backends:
+            def step() -> None:
+                with sdpa_kernel(KERNELS.get(name, SDPBackend.FLASH_ATTENTION)):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            try:
+                seconds = _time(step, device)
+                flops = 7 * heads * s * s * head_dim
+                rows.append({"backend": name, "seq_len": s, "seconds": seconds, "tflops": flops / seconds / 1e12})
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                rows.append({"backend": name, "seq_len": s, "error": str(exc).splitlines()[0][:120]})
+            print(rows[-1], flush=True)
+        del q, k, v, grad
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def calibrate(device: torch.device, lengths, heads: int, head_dim: int, dtype: str) -> list:
+    rows = []
+    for s in lengths:
+        workload = Workload(seq_len=s, heads=heads, head_dim=head_dim, dtype=dtype)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        base = current_usage(device)
+        reset_peak(device)
+        step = ProxyStep(workload, device, cp=1)
+        step()
+        peak = read_peak(device) - (base if device.type == "cuda" else 0)
+        predicted = predict_peak(workload, CPConfig(mesh_shape=(1, 1)), 0 if device.type == "cuda" else base)
+        rows.append({"seq_len": s, "measured": peak, "predicted": predicted, "ratio": predicted / peak})
+        print(rows[-1], flush=True)
+        del step
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, to check the code path")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cpu") if args.smoke or not torch.cuda.is_available() else torch.device("cuda", 0)
+    if device.type == "cpu" and not args.smoke:
+        raise SystemExit("no CUDA GPU here: run with --smoke for a CPU check of the code path")
+    lengths = (256, 512) if args.smoke else (8192, 16384, 32768, 65536)
+    heads, head_dim = (2, 16) if args.smoke else (16, 128)
+    backends = ("flash",) if args.smoke else ("flash", "efficient", "cudnn")
+    dtype = "float32" if args.smoke else "bfloat16"
+    started = time.monotonic()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
+    results = {"device": name, "torch": torch.__version__, "command": "python -m benchmarks.gpu"
+               + (" --smoke" if args.smoke else ""),
+               "sweep": backend_sweep(device, lengths, heads, head_dim, getattr(torch, dtype), backends),
+               "calibration": calibrate(device, lengths, heads, head_dim, dtype)}
+    results["seconds"] = time.monotonic() - started
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
+    out = Path(args.out or f"benchmarks/results/gpu-{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    lines = [f"# GPU benchmark: {name}, torch {results['torch']}", "", f"Command: `{results['command']}` "
+             f"({results['seconds']:.0f} s)", "", "| backend | seq len | TFLOP/s |", "|---|---|---|"]
+    lines += [f"| {r['backend']} | {r['seq_len']} | {r.get('tflops', 0):.1f}{' ' + r['error'] if 'error' in r else ''} |"
+              for r in results["sweep"]]
+    lines += ["", "| seq len | measured peak MiB | predicted MiB | predicted/measured |", "|---|---|---|---|"]
+    lines += [f"| {r['seq_len']} | {r['measured'] / 2**20:.0f} | {r['predicted'] / 2**20:.0f} | {r['ratio']:.2f} |"
+              for r in results["calibration"]]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print(f"written: {out}/results.md ({results['seconds']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

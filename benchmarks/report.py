@@ -1,0 +1,174 @@
+"""Turn a benchmark run's results.json into results.md, plots, and README.md's Performance section."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+README_START, README_END = "<!-- performance:start -->", "<!-- performance:end -->"
+
+
+def _best(oracle: dict, feasible_only: bool = True) -> str:
+    rows = {k: r for k, r in oracle.items() if r["feasible"] or not feasible_only}
+    return max(rows, key=lambda k: rows[k]["tokens_per_s"])
+
+
+def _first_hold(trace: list, target: str) -> tuple[int, float] | None:
+    """(trials, seconds) until the search's running best (its own measurements) was ``target``."""
+    best_key, best_tps = None, -1.0
+    for i, (key, tps, state, seconds) in enumerate(trace, 1):
+        if state == "ok" and tps > best_tps:
+            best_key, best_tps = key, tps
+        if best_key == target:
+            return i, seconds
+    return None
+
+
+def analyse(entry: dict) -> dict:
+    oracle = entry["oracle"]
+    best = _best(oracle)
+    tuned, default = entry["tuned"], entry["default"]
+    dp_key = next((k for k in oracle if "-cp1-" in k), None)
+    cp_best = max((k for k in oracle if "-cp1-" not in k), key=lambda k: oracle[k]["tokens_per_s"], default=None)
+    hold = _first_hold(entry["trace"], best)
+    errors = [abs(r["predicted_bytes"] - r["peak_bytes"]) / r["peak_bytes"] for r in oracle.values()]
+    tps = {k: r["tokens_per_s"] for k, r in oracle.items()}
+    return {
+        "name": entry["name"], "best": best, "tuned": tuned, "default": default,
+        "tuned_over_oracle": tps[tuned] / tps[best] if tuned else None,
+        "tuned_feasible": oracle[tuned]["feasible"] if tuned else None,
+        "tuned_over_default": tps[tuned] / tps[default] if tuned and default in tps else None,
+        "default_feasible": oracle.get(default, {}).get("feasible"),
+        "cp_efficiency": tps[cp_best] / tps[dp_key] if dp_key and cp_best else None,
+        "dp_feasible": oracle[dp_key]["feasible"] if dp_key else None,
+        "hold_trials": hold[0] if hold else None, "hold_seconds": hold[1] if hold else None,
+        "trials": len(entry["trace"]), "search_seconds": entry["search_seconds"],
+        "oracle_seconds": entry["oracle_seconds"],
+        "mem_err_mean": sum(errors) / len(errors), "mem_err_max": max(errors),
+    }
+
+
+def _fmt(x, spec=".2f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summary_lines(results: dict, rows: list[dict]) -> list[str]:
+    t_o = [r["tuned_over_oracle"] for r in rows if r["tuned_feasible"]]
+    over = len(rows) - len(t_o)  # the tuned config measured over budget in the oracle pass
+    t_d = [r["tuned_over_default"] for r in rows if r["default_feasible"]]
+    eff = [r["cp_efficiency"] for r in rows]
+    mem = [r["mem_err_mean"] for r in rows]
+    ov = results["overhead"]
+    held = [r for r in rows if r["hold_trials"]]
+    held_text = ", ".join(f"{r['hold_trials']}/{r['trials']}" for r in held)
+    return [
+        f"- tuned / oracle throughput: geometric mean {_fmt(_geomean(t_o), '.3f')}, worst {_fmt(min(t_o), '.3f')} "
+        f"({sum(x >= 0.95 for x in t_o)} of {len(rows)} workloads within 5 %"
+        f"{f'; in {over} the tuned config was over budget in the oracle pass' if over else ''})",
+        f"- tuned / PyTorch default (allgather, load balancing, cp = world): geometric mean "
+        f"{_fmt(_geomean(t_d), '.2f')}, range {_fmt(min(t_d), '.2f')}–{_fmt(max(t_d), '.2f')}",
+        f"- CP parallel efficiency (best CP config / dp-only, no communication): "
+        f"{_fmt(min(eff), '.2f')}–{_fmt(max(eff), '.2f')}",
+        f"- wrapper overhead, cptune.context_parallel vs the bare ring (S={ov['seq_len']}): "
+        f"{_fmt(ov['wrapped_over_bare'], '.3f')}x; with 3 buffers sharded and restored: "
+        f"{_fmt(ov['with_buffers_over_bare'], '.3f')}x",
+        f"- search cost: the search first held the oracle's config after "
+        f"{held_text} trials in {len(held)} of {len(rows)} "
+        f"workloads; time to that point / time to measure every config: geometric mean "
+        f"{_fmt(_geomean([r['hold_seconds'] / r['oracle_seconds'] for r in held]), '.2f')} (it includes "
+        f"launching its ranks); whole search / every config: "
+        f"{_fmt(_geomean([r['search_seconds'] / r['oracle_seconds'] for r in rows]), '.2f')}",
+        f"- memory model: mean |predicted - measured| / measured peak per config {_fmt(100 * sum(mem) / len(mem), '.1f')} %, "
+        f"worst {_fmt(100 * max(r['mem_err_max'] for r in rows), '.1f')} %",
+    ]
+
+
+def write_report(results: dict, out: Path, update_readme: bool = False) -> str:
+    rows = [analyse(e) for e in results["workloads"]]
+    lines = [f"# cptune CPU benchmark, {results['date']}", "", f"Command: `{results['command']}`  ",
+             f"Machine: {results['machine']}  ", f"Total time: {results.get('total_seconds', 0):.0f} s", "",
+             "## Summary", "", *summary_lines(results, rows), "", "## Per workload", "",
+             "| workload | oracle best | tuned | tuned/oracle | tuned/default | CP efficiency | trials to hold best "
+             "| search s / oracle s | memory model error (mean, max) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        note = "" if r["default_feasible"] else " (default over budget)"
+        over = "" if r["tuned_feasible"] else " (over budget here)"
+        lines.append(f"| {r['name']} | {r['best']} | {r['tuned']} | {_fmt(r['tuned_over_oracle'], '.3f')}{over} | "
+                     f"{_fmt(r['tuned_over_default'])}{note} | {_fmt(r['cp_efficiency'])}"
+                     f"{'' if r['dp_feasible'] else ' (dp over budget)'} | {r['hold_trials'] or 'never'}/{r['trials']} | "
+                     f"{r['search_seconds']:.0f}/{r['oracle_seconds']:.0f} | "
+                     f"{100 * r['mem_err_mean']:.0f} %, {100 * r['mem_err_max']:.0f} % |")
+    lines += ["", "## Every configuration (throughput relative to the workload's oracle best)", ""]
+    for e in results["workloads"]:
+        best = e["oracle"][_best(e["oracle"])]["tokens_per_s"]
+        lines += [f"**{e['name']}** (budget {e['budget'] / 2**20:.0f} MiB per rank)", "",
+                  "| config | relative throughput | peak MiB | predicted MiB | feasible | spread |", "|---|---|---|---|---|---|"]
+        for k, r in sorted(e["oracle"].items(), key=lambda kv: -kv[1]["tokens_per_s"]):
+            tag = " (tuned)" if k == e["tuned"] else ""
+            tag += " (PyTorch default)" if k == e["default"] else ""
+            lines.append(f"| {r['label']}{tag} | {r['tokens_per_s'] / best:.3f} | {r['peak_bytes'] / 2**20:.0f} | "
+                         f"{r['predicted_bytes'] / 2**20:.0f} | {'yes' if r['feasible'] else 'no'} | "
+                         f"{100 * r['spread']:.0f} % |")
+        lines.append("")
+    plots = _plots(results, out)
+    lines += ["## Scaling with sequence length", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    if update_readme:
+        _update_readme(results, rows, out)
+    return "\n".join(summary_lines(results, rows))
+
+
+def _plots(results: dict, out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    series: dict[str, dict[str, list]] = {}
+    for e in results["workloads"]:
+        if e["workload"]["layers"] != 1:
+            continue
+        kind = "causal" if e["workload"]["causal"] else "non-causal"
+        for k, r in e["oracle"].items():
+            s = series.setdefault(f"{kind}: {r['label']}", {"S": [], "t": [], "m": []})
+            s["S"].append(e["workload"]["seq_len"])
+            s["t"].append(r["step_time_s"])
+            s["m"].append(r["peak_bytes"] / 2**20)
+    paths = []
+    for metric, ylabel, name in (("t", "step time (s, this run)", "step_time"), ("m", "peak memory per rank (MiB)",
+                                                                                 "peak_memory")):
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for label, s in sorted(series.items()):
+            ax.plot(s["S"], s[metric], marker="o", label=label, linestyle="-" if "non" not in label else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        path = out / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _update_readme(results: dict, rows: list[dict], out: Path) -> None:
+    readme = Path("README.md")
+    text = readme.read_text()
+    body = "\n".join([README_START, "", f"Latest run: `{results['command']}` on {results['machine']}, "
+                      f"{results['date']} ({results.get('total_seconds', 0) / 60:.0f} min). Full tables and plots: "
+                      f"[{out}/results.md]({out}/results.md).", "", *summary_lines(results, rows), "", README_END])
+    new = re.sub(re.escape(README_START) + ".*?" + re.escape(README_END), lambda _: body, text, flags=re.S)
+    readme.write_text(new)

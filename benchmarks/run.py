@@ -1,0 +1,144 @@
+"""CPU benchmark: does the tuner beat PyTorch's defaults and approach the best config? One run, side by side.
+
+    python -m benchmarks.run                  # ~15 min on 2 cores; writes benchmarks/results/
+    python -m benchmarks.run --quick          # a smaller set, for a look (~3 min)
+    python -m benchmarks.run --update-readme  # also rewrite README.md's Performance section
+
+For each workload (2 gloo ranks, 1 thread each) it measures, in this one run:
+1. every valid configuration (the oracle), PyTorch's default (allgather, load balancing on,
+   cp = world) among them, and the configuration `cptune.search` picks when run on its own
+   (fresh study): tuned/oracle and tuned/default throughput ratios;
+2. the no-communication limit (dp-only: each rank a whole sequence, no exchange) and CP
+   parallel efficiency = best CP throughput / that limit;
+3. wrapper overhead: a step through `cptune.context_parallel` against the same ring attention
+   called directly (torch's own `context_parallel` does not run on CPU);
+4. search cost: trials and seconds until the search first held the oracle's config, against
+   the time to measure every config;
+5. memory model accuracy: predicted vs measured peak per config;
+6. step time and peak memory against sequence length, per config (plots).
+All figures are ratios from this run; absolute times on a shared CPU are not quoted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import optuna
+import torch
+
+import cptune
+from cptune.launch import WorkerGroup
+from cptune.search import MeasureSettings, Workload, all_configs, config_key, pytorch_default
+from cptune.search.measure import baseline_on_rank, measure_on_rank, summarize
+from cptune.config import CPConfig
+from cptune.search.memory import default_budget, predict_peak
+from cptune.search.space import mesh_shapes
+
+from .overhead import overhead_on_rank
+from .report import write_report
+
+NPROC = 2
+
+
+def workloads(quick: bool) -> list[tuple[str, Workload, str | None]]:
+    """(name, workload, memory budget rule). Small heads keep 32K tokens affordable on 2 cores."""
+    small = {"heads": 4, "head_dim": 32}
+    lengths = (1024, 4096) if quick else (1024, 4096, 16384, 32768)
+    out = [(f"causal S={s}", Workload(seq_len=s, **small), None) for s in lengths]
+    out += [(f"non-causal S={s}", Workload(seq_len=s, causal=False, **small), None)
+            for s in ((1024,) if quick else (1024, 4096, 16384))]
+    # Deep enough that a whole sequence per rank (dp only) needs more memory than half of one
+    # plus the ring's buffers: the budget is set between the two, so the full sequence does not fit.
+    deep = Workload(seq_len=2048, heads=8, head_dim=64, layers=16 if quick else 24)
+    out.append((f"memory-bound causal S={deep.seq_len} L={deep.layers}", deep, "between"))
+    return out
+
+
+def settings_for(workload: Workload) -> MeasureSettings:
+    long = workload.seq_len * workload.layers >= 16384
+    return MeasureSettings(warmup=1, min_repeats=2 if long else 3, max_repeats=10, min_seconds=0.5)
+
+
+def measure_all(group: WorkerGroup, workload: Workload, baseline: int) -> dict[str, dict]:
+    rows = {}
+    for config in all_configs(workload, NPROC, "cpu"):
+        per_rank = group.run(measure_on_rank, workload, config, settings_for(workload), timeout=900)
+        row = summarize(per_rank, workload, config)
+        row.update(label=config.label(), config=config.model_dump(mode="json"),
+                   predicted_bytes=predict_peak(workload, config, baseline),
+                   measured_s=sum(sum(r["times"]) for r in per_rank) / NPROC)
+        rows[config_key(config)] = row
+    return rows
+
+
+def run_search(workload: Workload, budget: int, storage: str, name: str) -> tuple[cptune.SearchResult, list[tuple]]:
+    """A fresh search; also when each trial finished, to see when it first held the final best."""
+    finished: list[tuple] = []
+    start = time.monotonic()
+
+    def progress(record, done, total):
+        finished.append((config_key(record.config), record.tokens_per_s, record.state, time.monotonic() - start))
+
+    result = cptune.search(workload, nproc=NPROC, memory_budget=budget, storage=storage,
+                           study_name=name, settings=settings_for(workload), progress=progress)
+    return result, finished
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="cptune CPU benchmark")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None, help="Results folder (default benchmarks/results/<date>)")
+    parser.add_argument("--update-readme", action="store_true")
+    args = parser.parse_args()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
+    out = Path(args.out or f"benchmarks/results/{stamp}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.db").unlink(missing_ok=True)  # every run searches from scratch
+    storage = f"sqlite:///{out / 'bench.db'}"
+    started = time.monotonic()
+    results = {"command": "python -m benchmarks.run" + (" --quick" if args.quick else ""),
+               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {NPROC} gloo ranks x 1 thread, "
+                          f"torch {torch.__version__}",
+               "date": stamp, "workloads": []}
+    with WorkerGroup(NPROC, timeout=900) as group:
+        shapes = [s for s in mesh_shapes(NPROC) if s[1] > 1]
+        baseline = max(group.run(baseline_on_rank, shapes))
+        results["overhead"] = group.run(overhead_on_rank, 8192, 5)[0]
+        print(f"wrapper overhead: {results['overhead']}", flush=True)
+        for name, workload, budget_rule in workloads(args.quick):
+            t0 = time.monotonic()
+            oracle = measure_all(group, workload, baseline)
+            oracle_seconds = time.monotonic() - t0
+            budget = default_budget("cpu", NPROC)
+            if budget_rule == "between":  # between dp-only's peak and the leanest CP config's
+                dp_peak = oracle[config_key(CPConfig(mesh_shape=(NPROC, 1), sdpa_backend="flash"))]["peak_bytes"]
+                cp_peak = min(r["peak_bytes"] for k, r in oracle.items() if "-cp1-" not in k)
+                budget = (dp_peak + cp_peak) // 2 if cp_peak < dp_peak else budget
+            for row in oracle.values():
+                row["feasible"] = row["peak_bytes"] <= budget
+            t1 = time.monotonic()
+            tuned, trace = run_search(workload, budget, storage, f"bench-{len(results['workloads'])}")
+            search_seconds = time.monotonic() - t1
+            entry = {"name": name, "workload": workload.model_dump(mode="json"), "budget": budget,
+                     "oracle": oracle, "oracle_seconds": oracle_seconds, "search_seconds": search_seconds,
+                     "tuned": config_key(tuned.best.config) if tuned.best else None,
+                     "default": config_key(pytorch_default(workload, NPROC, "cpu")), "trace": trace}
+            results["workloads"].append(entry)
+            print(f"{name}: tuned {entry['tuned']}, {len(trace)} trials, {time.monotonic() - t0:.0f}s", flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    results["total_seconds"] = time.monotonic() - started
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    summary = write_report(results, out, update_readme=args.update_readme)
+    print(summary)
+    print(f"\nwritten: {out}/results.md, {out}/*.png, {out}/results.json ({results['total_seconds']:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

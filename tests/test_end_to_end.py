@@ -1,0 +1,45 @@
+"""End to end, as a user runs it: a real search on 2 CPU ranks, its recipe, training from it, the example."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import cptune
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args, cwd, timeout=300):
+    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def test_search_writes_recipe_resumes_and_trains_like_one_process(tmp_path):
+    search = [sys.executable, "-m", "cptune", "search", "--seq-len", "512", "--nproc", "2", "--memory-budget", "4GiB",
+              "--min-seconds", "0.2", "--out", "recipes/e2e.yaml", "--script", str(ROOT / "examples/train_llama_cp.py")]
+    first = run(search, tmp_path)
+    assert "5 trial(s) run now" in first.stdout and "best: " in first.stdout
+    recipe = cptune.load_recipe(tmp_path / "recipes/e2e.yaml")
+    assert recipe.metrics.measured and recipe.launch.nproc_per_node == 2 and recipe.workload.seq_len == 512
+    again = run(search, tmp_path)
+    assert "0 trial(s) run now" in again.stdout  # resumed from cptune.db: nothing measured twice
+
+    run([sys.executable, "-m", "cptune", "launch", "recipes/e2e.yaml"], tmp_path)  # the recipe's script, as is
+    run([sys.executable, "-m", "cptune", "launch", "recipes/e2e.yaml", "--",
+         str(ROOT / "examples/train_llama_cp.py"), "--losses-out", "cp.json"], tmp_path)
+    run([sys.executable, str(ROOT / "examples/train_llama_cp.py"), "--seq-len", "512", "--losses-out", "one.json"],
+        tmp_path)
+    cp, one = json.loads((tmp_path / "cp.json").read_text()), json.loads((tmp_path / "one.json").read_text())
+    assert cp["world"] == 2 and one["world"] == 1
+    assert max(abs(a - b) for a, b in zip(cp["losses"], one["losses"])) <= 1e-5
+
+
+def test_canonical_example_under_torchrun():
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  "examples/cp_example.py", "--seq-len", "1024"], ROOT)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("max abs error"))
+    errors = [float(v) for v in re.findall(r"\d\.\d+e[-+]\d+", line)]
+    assert len(errors) == 4 and max(errors) < 1e-5
