@@ -71,7 +71,7 @@ def measure_all(group: WorkerGroup, workload: Workload, baseline: int) -> dict[s
         per_rank = group.run(measure_on_rank, workload, config, settings_for(workload), timeout=900)
         row = summarize(per_rank, workload, config)
         row.update(label=config.label(), config=config.model_dump(mode="json"),
-                   predicted_bytes=predict_peak(workload, config, baseline),
+                   predicted_bytes=predict_peak(workload, config, max(baseline, row["baseline_bytes"])),
                    measured_s=sum(sum(r["times"]) for r in per_rank) / NPROC)
         rows[config_key(config)] = row
     return rows

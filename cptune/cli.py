@@ -204,3 +204,21 @@ def check(recipe_path, world_size) -> None:
     if problems:
         raise ValidationError(problems)
     click.echo(f"{recipe_path}: matches this environment")
+
+
+@main.command()
+@click.argument("folder", type=click.Path(file_okay=False), default="recipes")
+@click.option("--check", "check_only", is_flag=True, help="Exit 1 if FOLDER/README.md is not up to date.")
+def index(folder, check_only) -> None:
+    """Write FOLDER/README.md, the index of the recipes found in FOLDER."""
+    from .recipe import index_text
+
+    text = index_text(folder)
+    target = Path(folder) / "README.md"
+    if check_only:
+        if not target.is_file() or target.read_text() != text:
+            raise CPTuneError(f"{target} is out of date: run cptune index {folder}")
+        click.echo(f"{target} is up to date")
+        return
+    target.write_text(text)
+    click.echo(f"written: {target}")

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import cptune
 from cptune.cli import main
-from cptune.recipe import Launch, Metrics, Provenance, Recipe, environment, load_recipe, save_recipe
+from cptune.recipe import Launch, Metrics, Provenance, Recipe, environment, index_text, load_recipe, save_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,6 +157,7 @@ def test_recipe_for_another_world_size_fails_before_any_collective(ranks, tmp_pa
 
 def test_every_recipe_in_the_repo_loads_and_is_indexed():
     index = (ROOT / "recipes" / "README.md").read_text()
+    assert index == index_text(ROOT / "recipes"), "recipes/README.md is stale: run cptune index recipes"
     files = sorted((ROOT / "recipes").rglob("*.yaml"))
     assert files, "recipes/ holds no recipe"
     for path in files:

@@ -166,3 +166,12 @@ def test_inside_torchrun_rank0_drives(ranks, tmp_path):
     results = ranks(2).run(_spmd_search, f"sqlite:///{tmp_path / 'spmd.db'}")
     assert results[1] is None
     assert results[0].complete and results[0].best.config.label() == "dp1·cp2 alltoall lb flash"
+
+
+def test_real_search_on_a_user_step(tmp_path):
+    """--workload: the search measures the user's own model step (the Llama example's), for real."""
+    workload = Workload(seq_len=128, heads=4, kv_heads=2, head_dim=16, step="examples.train_llama_cp:search_step")
+    result = cptune.search(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'user.db'}", memory_budget="8GiB",
+                           settings=MeasureSettings(warmup=0, min_repeats=1, min_seconds=0))
+    assert result.complete and len(result.trials) == 5
+    assert all(r.state == "ok" and r.tokens_per_s > 0 and r.predicted_bytes is None for r in result.trials)

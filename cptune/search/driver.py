@@ -126,6 +126,9 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
         duplicates = 0
         frozen = _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device)
         done[key] = frozen
+        # What a rank holds before a trial grows as trials run (process groups' buffers, caches):
+        # predict the next trial from the latest figure.
+        baseline = max(baseline, frozen.user_attrs.get("baseline_bytes") or 0)
         evaluated += 1
         if progress is not None:
             progress(record_from(frozen), len(set(done) & wanted), len(wanted))

@@ -113,6 +113,7 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig) ->
         "step_time_s": step_time,
         "tokens_per_s": dp * workload.batch * workload.seq_len / step_time,
         "peak_bytes": max(r["peak"] for r in per_rank),
+        "baseline_bytes": max(r["baseline"] for r in per_rank),
         "peak_per_rank": [r["peak"] for r in per_rank],
         "repeats": len(steps),
         "spread": (max(steps) - min(steps)) / step_time if steps else 0.0,
