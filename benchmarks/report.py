@@ -81,8 +81,8 @@ def summary_lines(results: dict, rows: list[dict]) -> list[str]:
         f"- search cost: the search first held the oracle's config after "
         f"{held_text} trials in {len(held)} of {len(rows)} "
         f"workloads; time to that point / time to measure every config: geometric mean "
-        f"{_fmt(_geomean([r['hold_seconds'] / r['oracle_seconds'] for r in held]), '.2f')} (it includes "
-        f"launching its ranks); whole search / every config: "
+        f"{_fmt(_geomean([r['hold_seconds'] / r['oracle_seconds'] for r in held]), '.2f')}; whole search "
+        f"(with its close-call re-measurements) / every config: "
         f"{_fmt(_geomean([r['search_seconds'] / r['oracle_seconds'] for r in rows]), '.2f')}",
         f"- memory model: mean |predicted - measured| / measured peak per config {_fmt(100 * sum(mem) / len(mem), '.1f')} %, "
         f"worst {_fmt(100 * max(r['mem_err_max'] for r in rows), '.1f')} %",

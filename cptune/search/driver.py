@@ -126,14 +126,11 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
         duplicates = 0
         frozen = _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device)
         done[key] = frozen
-        # What a rank holds before a trial grows as trials run (process groups' buffers, caches):
-        # predict the next trial from the latest figure.
-        baseline = max(baseline, frozen.user_attrs.get("baseline_bytes") or 0)
         evaluated += 1
         if progress is not None:
             progress(record_from(frozen), len(set(done) & wanted), len(wanted))
     if evaluated and not workload.step and confirm:
-        _confirm_close_call(evaluator, study, workload, settings)
+        _confirm_close_call(evaluator, study, workload, settings, baseline)
     trials = [record_from(t) for t in _finished(study).values()]
     confirmations = study.user_attrs.get("confirmations", {})
     for r in trials:
@@ -147,7 +144,7 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
                         evaluated_now=evaluated, complete=not (wanted - set(done)))
 
 
-def _confirm_close_call(evaluator, study, workload, settings) -> None:
+def _confirm_close_call(evaluator, study, workload, settings, baseline: int) -> None:
     """If the two fastest feasible configs are within CONFIRM_MARGIN, measure each once more.
 
     One noisy measurement should not decide between near-equals; the pooled median does.
@@ -160,7 +157,7 @@ def _confirm_close_call(evaluator, study, workload, settings) -> None:
     extra = dict(study.user_attrs.get("confirmations", {}))
     for r in ok[:2]:
         try:
-            summary = summarize(evaluator(workload, r.config, settings), workload, r.config)
+            summary = summarize(evaluator(workload, r.config, settings), workload, r.config, baseline)
         except TrialFailed:
             continue
         extra.setdefault(config_key(r.config), []).append(summary["tokens_per_s"])
@@ -196,7 +193,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
         trial.set_user_attr("feasible", False)
         study.tell(trial, state=state.FAIL)
         return study._storage.get_trial(trial._trial_id)
-    summary = summarize(per_rank, workload, config)
+    summary = summarize(per_rank, workload, config, baseline)
     feasible = summary["peak_bytes"] <= budget
     for k, v in summary.items():
         trial.set_user_attr(k, v)

@@ -104,17 +104,23 @@ def baseline_on_rank(mesh_shapes: Sequence[tuple[int, int]] = ()) -> int:
     return current_usage(device)
 
 
-def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig) -> dict:
-    """Step time = median over repeats of the slowest rank; tokens/s for the whole world."""
+def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, base: int | None = None) -> dict:
+    """Step time = median over repeats of the slowest rank; tokens/s for the whole world.
+
+    Peak memory per rank: with ``base`` (what a fresh rank holds, from :func:`baseline_on_rank`),
+    ``base`` + the rise of the peak over the rank's memory at the start of the trial, so a
+    config's figure does not depend on what ran before it in the same process (allocator
+    caches, communication buffers); without it, the absolute peak.
+    """
+    peaks = [r["peak"] if base is None else base + r["peak"] - r["baseline"] for r in per_rank]
     steps = [max(r["times"][i] for r in per_rank) for i in range(min(len(r["times"]) for r in per_rank))]
     step_time = statistics.median(steps)
     dp = config.mesh_shape[0]
     return {
         "step_time_s": step_time,
         "tokens_per_s": dp * workload.batch * workload.seq_len / step_time,
-        "peak_bytes": max(r["peak"] for r in per_rank),
-        "baseline_bytes": max(r["baseline"] for r in per_rank),
-        "peak_per_rank": [r["peak"] for r in per_rank],
+        "peak_bytes": max(peaks),
+        "peak_per_rank": peaks,
         "repeats": len(steps),
         "spread": (max(steps) - min(steps)) / step_time if steps else 0.0,
     }
