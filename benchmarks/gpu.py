@@ -53,9 +53,9 @@ def backend_sweep(device: torch.device, lengths, heads: int, head_dim: int, dtyp
         q, k, v = (torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         grad = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype)
         for name in backends:
-            def step() -> None:
-                with sdpa_kernel(KERNELS.get(name, SDPBackend.FLASH_ATTENTION)):
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            def step(kernel=KERNELS.get(name, SDPBackend.FLASH_ATTENTION), qkv=(q, k, v), grad=grad) -> None:
+                with sdpa_kernel(kernel):
+                    F.scaled_dot_product_attention(*qkv, is_causal=True).backward(grad)
             try:
                 seconds = _time(step, device)
                 flops = 7 * heads * s * s * head_dim

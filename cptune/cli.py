@@ -32,7 +32,7 @@ def main() -> None:
     """Context parallelism for PyTorch: search the fastest configuration, write recipes, launch them."""
 
 
-def _progress(done_so_far: list[int]):
+def _progress():
     def show(record, done: int, total: int) -> None:
         width = 20
         filled = int(width * done / max(total, 1))
@@ -112,7 +112,7 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, ste
         click.echo(f"cptune search: {workload.describe()}", err=True)
     result = run_search(workload, nproc=nproc, device=device, memory_budget=memory_budget, storage=storage,
                         study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
-                        sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress([]))
+                        sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
     if result is None:  # a torchrun rank other than 0
         return
     if as_json:
@@ -185,7 +185,7 @@ def show(recipe_path, as_json) -> None:
     click.echo(f"config   : {recipe.config.label()}")
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
                f"script {recipe.launch.script or '(give one after --)'}")
-    click.echo(f"measured : " + (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
+    click.echo("measured : " + (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
                                  f"{', '.join(_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
                                  f"{_size(m.memory_budget)})" if m.measured else "no (not measured)"))
     click.echo(f"from     : {p.device_count} x {p.device} ({p.backend}), torch {p.torch_version}, cptune "

@@ -162,7 +162,7 @@ def test_decorator_model_step_matches_single_device(ranks, rotate, lb):
 def _canonical_case():
     torch.manual_seed(0)
     qkv = [torch.randn(1, 4, 256, 32, requires_grad=True) for _ in range(3)]
-    with cptune.context_parallel(buffers=tuple(qkv), seq_dims=(2, 2, 2)) as cp:
+    with cptune.context_parallel(buffers=tuple(qkv), seq_dims=(2, 2, 2)):
         output = F.scaled_dot_product_attention(*qkv, is_causal=True)
     output.float().square().mean().backward()  # the canonical example's loss, after the block
     reference_leaves = [t.detach().clone().requires_grad_() for t in qkv]

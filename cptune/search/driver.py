@@ -11,8 +11,7 @@ from typing import Any
 import optuna
 import torch.distributed as dist
 
-from ..config import CPConfig
-from ..errors import CPTuneError, Problem, ValidationError
+from ..errors import Problem, ValidationError
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator, TrialFailed
 from .measure import MeasureSettings, measure_on_rank, summarize
 from .memory import PRUNE_FACTOR, default_budget, format_size, parse_size, predict_peak
@@ -263,4 +262,4 @@ def search(
         evaluator.close()
 
 
-__all__ = ["search", "SearchResult", "TrialRecord", "get_storage", "default_study_name", "CPConfig", "CPTuneError"]
+__all__ = ["search", "get_storage", "default_study_name"]
