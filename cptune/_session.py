@@ -150,14 +150,10 @@ class _Session:
         return []
 
     def _recipe_problems(self) -> list[Problem]:
-        launch, prov = self.recipe.launch, self.recipe.provenance
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        problems = []
-        if world != launch.world_size:
-            problems.append(Problem("recipe", f"is for {launch.world_size} ranks ({launch.nnodes} node(s) x "
-                                    f"{launch.nproc_per_node}) but this job has {world}",
-                                    f"launch with cptune launch (it starts {launch.world_size} ranks) or use a "
-                                    f"recipe searched for {world} ranks"))
+        from .recipe import world_size_problems  # recipe imports the search, which imports this module
+
+        prov = self.recipe.provenance
+        problems = world_size_problems(self.recipe, dist.get_world_size() if dist.is_initialized() else 1)
         if prov.device_type != self.device_type:
             problems.append(Problem("recipe", f"was measured on {prov.device_type} but these buffers are on "
                                     f"{self.device_type}", f"run on {prov.device_type} or search again on "

@@ -118,7 +118,7 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, ste
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo(f"\nstudy {result.study_name} ({result.storage or 'sqlite:///cptune.db'}), "
+        click.echo(f"\nstudy {result.study_name} ({result.storage}), "
                    f"{result.world_size} ranks on {result.device}, budget per rank "
                    f"{_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
         click.echo(result.table())
@@ -155,7 +155,7 @@ def launch(recipe_path, script_and_args, dry_run, nnodes, node_rank, rdzv_endpoi
     recipe = load_recipe(recipe_path)
     script, args = (script_and_args[0], list(script_and_args[1:])) if script_and_args else (None, None)
     argv = recipe.torchrun_args(script, args, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
-    script = argv[argv.index(f"--nproc-per-node={recipe.launch.nproc_per_node}") + 1]
+    script = script or recipe.launch.script
     if not Path(script).is_file():
         raise ValidationError([Problem("script", f"{script!r} does not exist",
                                        "give the path of the training script after --")])

@@ -210,6 +210,17 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
     )
 
 
+def world_size_problems(recipe: Recipe, world_size: int) -> list[Problem]:
+    """A problem if the job's world size is not the recipe's."""
+    launch = recipe.launch
+    if world_size == launch.world_size:
+        return []
+    return [Problem("launch", f"the recipe is for {launch.world_size} ranks ({launch.nnodes} node(s) x "
+                    f"{launch.nproc_per_node}) but this job has {world_size}",
+                    f"launch with cptune launch (it starts {launch.world_size} ranks) or use a recipe "
+                    f"searched for {world_size} ranks")]
+
+
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:
     """Differences between ``recipe`` and this environment that matter, each with a fix."""
     import torch
@@ -235,10 +246,8 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
             problems.append(Problem("provenance.backend", "nccl is not available in this torch", "install a CUDA torch"))
     elif not dist.is_gloo_available():
         problems.append(Problem("provenance.backend", "gloo is not available in this torch", "install torch with gloo"))
-    if world_size is not None and world_size != recipe.launch.world_size:
-        problems.append(Problem("launch", f"the recipe is for {recipe.launch.world_size} ranks "
-                                f"({recipe.launch.nnodes} x {recipe.launch.nproc_per_node}), this job has {world_size}",
-                                f"launch with {recipe.launch.world_size} ranks (cptune launch) or {rerun}"))
+    if world_size is not None:
+        problems += world_size_problems(recipe, world_size)
     cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size
     for backend in recipe.config.sdpa_backend or ():
         why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=cp > 1)

@@ -163,12 +163,9 @@ def main() -> None:
         loss.backward()
         loss = loss.detach()
         if distributed:  # every rank holds an equal share of tokens: averages give the global mean
-            for p in model.parameters():
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if cuda else dist.ReduceOp.SUM)
-                if not cuda:
-                    p.grad /= world
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM)
-            loss /= world
+            for t in (*(p.grad for p in model.parameters()), loss):
+                dist.all_reduce(t)  # sum, then divide: gloo has no AVG
+                t /= world
         optimizer.step()
         losses.append(loss.item())
         if rank == 0:

@@ -16,7 +16,7 @@ from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator, TrialFailed
 from .measure import MeasureSettings, measure_on_rank, summarize
 from .memory import PRUNE_FACTOR, default_budget, format_size, parse_size, predict_peak
 from .result import SearchResult, TrialRecord, record_from
-from .space import axes, config_from, config_key, invalid_reason
+from .space import axes, config_from, config_key, invalid_reason, mesh_shapes
 from .workload import Workload
 
 GRID_LIMIT = 64
@@ -93,8 +93,7 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
         open_points.setdefault(config_key(config_from(params)), params)
     wanted = set(open_points)
     exhaustive = sampler == "grid" or (sampler == "auto" and len(wanted) <= GRID_LIMIT)
-    shapes = [tuple(int(x) for x in m.split("x")) for m in ax.mesh]
-    baseline = evaluator.baseline([s for s in shapes if s[1] > 1]) if wanted - set(done) else 0
+    baseline = evaluator.baseline([s for s in mesh_shapes(world) if s[1] > 1]) if wanted - set(done) else 0
     started, evaluated, duplicates = time.monotonic(), 0, 0
     while wanted - set(done):
         if n_trials is not None and evaluated >= n_trials:
@@ -163,6 +162,10 @@ def _confirm_close_call(evaluator, study, workload, settings, baseline: int) -> 
     study.set_user_attr("confirmations", extra)
 
 
+def _frozen(study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTrial:
+    return study._storage.get_trial(trial._trial_id)  # the trial just told, as stored
+
+
 def _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device):
     """Run (or rule out) one trial and tell Optuna; returns the frozen trial."""
     state = optuna.trial.TrialState
@@ -170,7 +173,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
     if reason is not None:
         trial.set_user_attr("reason", f"invalid: {reason}")
         study.tell(trial, state=state.PRUNED)
-        return study._storage.get_trial(trial._trial_id)
+        return _frozen(study, trial)
     predicted = predict_peak(workload, config, baseline) if not workload.step else None  # proxy only
     trial.set_user_attr("predicted_bytes", predicted)
     trial.set_user_attr("memory_budget", budget)
@@ -179,7 +182,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
         trial.set_user_attr("reason", f"predicted peak {format_size(predicted)} > {PRUNE_FACTOR} x budget "
                                       f"{format_size(budget)}; not run")
         study.tell(trial, state=state.PRUNED)
-        return study._storage.get_trial(trial._trial_id)
+        return _frozen(study, trial)
     if isinstance(evaluator, SPMDEvaluator):  # a hang ends the torchrun job: record why first
         def timed_out() -> None:
             trial.set_user_attr("reason", f"timed out after {evaluator.trial_timeout:.0f}s; job ended to relaunch")
@@ -191,7 +194,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
         trial.set_user_attr("reason", exc.reason)
         trial.set_user_attr("feasible", False)
         study.tell(trial, state=state.FAIL)
-        return study._storage.get_trial(trial._trial_id)
+        return _frozen(study, trial)
     summary = summarize(per_rank, workload, config, baseline)
     feasible = summary["peak_bytes"] <= budget
     for k, v in summary.items():
@@ -203,7 +206,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
         trial.set_user_attr("reason", f"measured peak {format_size(summary['peak_bytes'])} > budget "
                                       f"{format_size(budget)}")
     study.tell(trial, summary["tokens_per_s"])
-    return study._storage.get_trial(trial._trial_id)
+    return _frozen(study, trial)
 
 
 def search(
