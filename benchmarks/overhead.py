@@ -22,10 +22,9 @@ def overhead_on_rank(seq_len: int, repeats: int) -> dict:
     full = [torch.randn(1, 4, seq_len, 32, generator=gen) for _ in range(3)]
     grad = torch.randn(1, 4, seq_len // world, 32, generator=gen)
     group = dist.group.WORLD
-    backend = _torch_cp.ring_backend("cpu", "flash")
 
     def bare() -> None:
-        out = _torch_cp.RingAttention.apply(*local, group, backend, True, None, "alltoall", True)
+        out = _torch_cp.ring_attention(*local, group, "flash", True, None, "alltoall", True)
         out.backward(grad)
 
     def wrapped() -> None:

@@ -11,6 +11,7 @@ Main API:
 - :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
 """
 
+from ._torch_cp import RING_ATTENTION_OPS
 from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, unshard
 from .errors import CPTuneError, Problem, ValidationError
@@ -24,6 +25,7 @@ __all__ = [
     "CPTuneError",
     "CPTuneWarning",
     "Problem",
+    "RING_ATTENTION_OPS",
     "Recipe",
     "SearchResult",
     "ValidationError",

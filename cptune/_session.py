@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,8 +42,18 @@ def default_backends() -> tuple[str, ...]:
     return tuple(names[i] for i in torch._C._get_sdp_priority_order() if i in names)
 
 
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_CHECKPOINT_FILES = (os.path.join("torch", "utils", "checkpoint.py"),)
+
+
 class _SDPAMode(TorchFunctionMode):
-    """Routes every F.scaled_dot_product_attention call in the block to the session's ring."""
+    """Catches SDPA calls that bypass the patched ``F.scaled_dot_product_attention`` and sees backward.
+
+    A from-import (``from torch.nn.functional import scaled_dot_product_attention``) binds
+    torch's function before the block patches ``F``; the mode routes such calls to the ring.
+    A mode is popped while a backward it dispatched runs, so an activation checkpoint's
+    recompute would miss it: such calls under checkpointing are refused with the fix.
+    """
 
     def __init__(self, session: _Session) -> None:
         super().__init__()
@@ -50,8 +62,45 @@ class _SDPAMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
+            if not torch.compiler.is_compiling() and _under_checkpoint():
+                raise_if([Problem(
+                    "scaled_dot_product_attention", "was called through a reference bound before the block "
+                    "(a from-import) inside activation checkpointing, where its recompute cannot be routed "
+                    "to the ring", "call it as torch.nn.functional.scaled_dot_product_attention(...) "
+                    "(F.scaled_dot_product_attention), which cptune patches for the block")])
             return self.session.sdpa(*args, **kwargs)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func in _BACKWARDS:
+            self.session.backward_ran()
+        return result
+
+
+@contextlib.contextmanager
+def _patched_sdpa(session: _Session) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as the session's ring while the block runs.
+
+    torch.compile traces this function (through activation-checkpoint regions too, where it
+    does not apply torch-function modes), and eager recomputes call it from any thread.
+    """
+
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return session.sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
+
+
+def _under_checkpoint() -> bool:
+    """Whether torch.utils.checkpoint is running the caller (a forward it will recompute)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _Session:
@@ -69,8 +118,10 @@ class _Session:
         self.device_type = "cpu"
         self.shards: dict[str, torch.Tensor] = {}
         self._grad_buffers: dict[int, tuple[torch.Tensor, int]] = {}
-        self._ring_cache: dict[tuple[str, torch.dtype], _torch_cp.RingBackend] = {}
         self._stack = contextlib.ExitStack()
+        self._restores: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+        self._checkpointed = False  # a checkpointed ring forward ran since the last backward
+        self._forward_since_backward = False
 
     # -- setting up ------------------------------------------------------------------
     def start(self, mesh: DeviceMesh | None, buffers: Any, seq_dims: Any, no_restore: Sequence[Any],
@@ -103,8 +154,10 @@ class _Session:
                     sdpa_kernel([_KERNELS[b] for b in self.backends], set_priority=True))
             if self.cp > 1:
                 self._stack.enter_context(_SDPAMode(self))
+                self._stack.enter_context(_patched_sdpa(self))
+                self._stack.enter_context(_torch_cp.forward_listener(self._ring_forward_ran))
         except BaseException:
-            self._stack.close()
+            self.stop(failing=True)
             raise
         _ACTIVE.append(self)
         return self
@@ -187,7 +240,7 @@ class _Session:
                     saved = t.detach()
                     t.set_(_sharding.shard(t, dim, self.cp, self.cp_rank, lb))
                 if not any(t is x for x in no_restore):
-                    self._stack.callback(_restore, t, saved)
+                    self._restores.append((name, t, saved, _torch_cp.use_count(t)))
                 self.shards[name] = t
 
     # -- inside the block --------------------------------------------------------------
@@ -208,23 +261,51 @@ class _Session:
         if q.shape[1] != k.shape[1]:  # grouped-query attention: give every query head its kv head
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        return _torch_cp.RingAttention.apply(
-            q.contiguous(), k, v, self.group, backend, is_causal, scale, self.config.rotate_method,
-            self.plan.load_balance)
+        return _torch_cp.ring_attention(q, k, v, self.group, backend, is_causal, scale,
+                                        self.config.rotate_method, self.plan.load_balance)
 
-    def _ring_backend(self, device_type: str, dtype: torch.dtype) -> _torch_cp.RingBackend:
-        key = (device_type, dtype)
-        if key not in self._ring_cache:
-            name, problems = pick_backend(self.backends, device_type, dtype, ring=True)
-            raise_if(problems)
-            self._ring_cache[key] = _torch_cp.ring_backend(device_type, name)
-        return self._ring_cache[key]
+    def _ring_backend(self, device_type: str, dtype: torch.dtype) -> str:
+        # No cache: a side effect here would break torch.compile inside checkpointed regions.
+        name, problems = pick_backend(self.backends, device_type, dtype, ring=True)
+        raise_if(problems)
+        return name
+
+    def _ring_forward_ran(self) -> None:
+        """Called by every ring forward (not a recompute inside backward) while the block is open."""
+        self._forward_since_backward = True
+        if _under_checkpoint():
+            self._checkpointed = True
+
+    def backward_ran(self) -> None:
+        self._checkpointed = self._forward_since_backward = False
 
     # -- afterwards ---------------------------------------------------------------------
-    def stop(self) -> None:
+    def stop(self, failing: bool = False) -> None:
+        """Undo everything; unless the block is already failing, refuse a backward that would go wrong."""
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        self._stack.close()
+        try:
+            self._stack.close()
+        finally:
+            keep = [] if failing or not self._forward_since_backward else [
+                name for name, t, _, count in self._restores if _torch_cp.use_count(t) > count]
+            for name, t, saved, _ in self._restores:
+                if name not in keep:
+                    _restore(t, saved)
+        problems = []
+        if keep:
+            problems.append(Problem(
+                ", ".join(keep), "was sharded in place and the autograd graph still holds it (backward has "
+                "not run yet); restoring the full tensor now would break that backward, so it is left "
+                "sharded", "call loss.backward() inside the with-block (or the decorated function), or "
+                "list the buffer in no_restore=[...] to keep it sharded after the block on purpose"))
+        if self._checkpointed and not failing:
+            problems.append(Problem(
+                "backward", "attention ran under activation checkpointing in this block and backward has "
+                "not run yet; its recompute would run outside the block as single-device attention on "
+                "this rank's shard (wrong gradients)", "call loss.backward() inside the with-block (or "
+                "inside the decorated function)"))
+        raise_if(problems)
 
     def unshard(self, tensors: Any, seq_dims: Any) -> Any:
         single = isinstance(tensors, torch.Tensor)

@@ -248,28 +248,110 @@ def ring_backend(device_type: str, backend: str) -> RingBackend:
     return _RING_BACKENDS[(device_type, backend)]
 
 
-_TENSOR = object()  # marks where a saved tensor goes back in ``saved``
+# --------------------------------------------------------------------------------------
+# Ring attention as torch.library custom ops. A custom op is opaque to torch.compile (no
+# graph break, no tracing into collectives), is recorded in the autograd graph with the
+# configuration as plain arguments (so a checkpoint's recompute and a backward after the
+# block both run the ring as it was at forward time), and names its process group by
+# string, as torch's own compile-friendly CP ops do.
+# --------------------------------------------------------------------------------------
 
 
-class RingAttention(torch.autograd.Function):
-    """Ring attention over the CP group; backward uses the options captured at forward."""
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A custom op may not return views of its inputs or of its other outputs."""
+    return t.clone() if t._base is not None else t
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, backend: RingBackend, is_causal, scale, rotate_method, load_balance):
-        with cp_options(rotate_method, load_balance and is_causal):
-            out, saved = backend.forward(group, q, k, v, is_causal, scale)
-        tensors = [t for t in saved if isinstance(t, torch.Tensor)]
-        ctx.save_for_backward(q, k, v, out, *tensors)
-        ctx.saved_layout = [_TENSOR if isinstance(t, torch.Tensor) else t for t in saved]
-        ctx.args = (group, backend, is_causal, scale, rotate_method, load_balance)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, *tensors = ctx.saved_tensors
-        it = iter(tensors)
-        saved = tuple(next(it) if x is _TENSOR else x for x in ctx.saved_layout)
-        group, backend, is_causal, scale, rotate_method, load_balance = ctx.args
-        with cp_options(rotate_method, load_balance and is_causal):
-            dq, dk, dv = backend.backward(group, grad_out, q, k, v, out, saved, is_causal, scale)
-        return dq, dk, dv, None, None, None, None, None, None
+def _cuda_saved(backend: str, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> tuple[Any, ...]:
+    """What the CUDA ring backwards take besides lse, rebuilt for dense inputs and dropout 0."""
+    empty = torch.empty(0, dtype=torch.int32, device=q.device)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    if backend == "efficient":
+        return (lse, seed, seed)
+    return (lse, empty, empty, q.shape[2], k.shape[2], seed, seed)
+
+
+@torch.library.custom_op("cptune::ring_attention", mutates_args=())
+def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, backend: str,
+                       is_causal: bool, scale: float | None, rotate_method: str,
+                       load_balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    with cp_options(rotate_method, load_balance and is_causal):
+        out, saved = ring_backend(q.device.type, backend).forward(group, q, k, v, is_causal, scale)
+    if torch._C._current_graph_task_id() == -1:  # not inside a backward pass
+        for listener in _FORWARD_LISTENERS:
+            listener()
+    return _fresh(out), _fresh(saved[0].contiguous())
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, group_name, backend, is_causal, scale, rotate_method, load_balance):
+    b, h, s, _ = q.shape
+    return q.new_empty(b, h, s, v.shape[-1]), q.new_empty(b, h, s, dtype=torch.float32)
+
+
+@torch.library.custom_op("cptune::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, group_name: str, backend: str,
+                                is_causal: bool, scale: float | None, rotate_method: str,
+                                load_balance: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    saved = (lse,) if q.device.type == "cpu" else _cuda_saved(backend, q, k, lse)
+    with cp_options(rotate_method, load_balance and is_causal):
+        dq, dk, dv = ring_backend(q.device.type, backend).backward(
+            group, grad_out, q, k, v, out, saved, is_causal, scale)
+    return _fresh(dq), dk.clone(), dv.clone()  # dk and dv are views of one flat buffer
+
+
+@_ring_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, group_name, backend, is_causal, scale, rotate_method, load_balance):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _ring_setup_context(ctx, inputs, output):
+    q, k, v, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = args
+
+
+def _ring_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _ring_attention_backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
+
+
+RING_ATTENTION_OPS = (torch.ops.cptune.ring_attention.default,)
+"""The ring attention op, e.g. for a selective activation-checkpointing policy's save list."""
+
+_FORWARD_LISTENERS: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def forward_listener(fn: Callable[[], None]) -> Iterator[None]:
+    """Call ``fn`` after each ring forward that is not a recompute inside a backward pass.
+
+    The op's own body runs in eager and in compiled code alike, so this sees every call.
+    """
+    _FORWARD_LISTENERS.append(fn)
+    try:
+        yield
+    finally:
+        _FORWARD_LISTENERS.remove(fn)
+
+
+def use_count(t: torch.Tensor) -> int:
+    """How many references the tensor's storage object has (autograd's saved copies included)."""
+    counter = getattr(t, "_use_count", None)
+    return counter() if counter is not None else 0
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, backend: str,
+                   is_causal: bool, scale: float | None, rotate_method: str, load_balance: bool) -> torch.Tensor:
+    """Ring attention of this rank's q/k/v shards over ``group``; backward rings too."""
+    out, _ = _ring_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), group.group_name, backend,
+                                is_causal, scale, rotate_method, load_balance)
+    return out

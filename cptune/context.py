@@ -85,9 +85,9 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         self._new_session().start(self.mesh, self.buffers, self.seq_dims, self.no_restore, inplace=True)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
         assert self._session is not None
-        self._session.stop()
+        self._session.stop(failing=exc_type is not None)
 
     def __call__(self, fn: Callable) -> Callable:
         sig = inspect.signature(fn)
@@ -112,16 +112,24 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
             raise_if([Problem(n, f"is a {type(t).__name__}, not a tensor",
                               f"pass a tensor for {n} or drop it from seq_dims")
                       for n, t in named.items() if not isinstance(t, torch.Tensor)])
-            session = self._new_session().start(
-                self.mesh, named, {n: self.seq_dims[n] for n in named}, (), inplace=False)
+            session = self._open(named)
             try:
                 for name, path in zip(named, session.plan.names):
                     bound.arguments[name] = session.shards[path]
-                return fn(*bound.args, **bound.kwargs)
-            finally:
-                session.stop()
+                result = fn(*bound.args, **bound.kwargs)
+            except BaseException:
+                _stop(session, failing=True)
+                raise
+            _stop(session)
+            return result
 
         return wrapper
+
+    @torch.compiler.disable
+    def _open(self, named: dict[str, torch.Tensor]) -> _Session:
+        """Set up eagerly: under torch.compile of a decorated step, only the step is traced."""
+        return self._new_session().start(self.mesh, named, {n: self.seq_dims[n] for n in named}, (),
+                                         inplace=False)
 
     # -- what the block knows ---------------------------------------------------------------
     def _require(self) -> _Session:
@@ -157,6 +165,11 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
 
     def unshard(self, tensors: Any, seq_dims: Any) -> Any:
         return self._require().unshard(tensors, seq_dims)
+
+
+@torch.compiler.disable
+def _stop(session: _Session, failing: bool = False) -> None:
+    session.stop(failing=failing)
 
 
 def unshard(tensors: Any, seq_dims: Any, *, context: context_parallel | None = None) -> Any:

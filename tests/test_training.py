@@ -1,0 +1,232 @@
+"""CP inside a real training step: activation checkpointing, torch.compile, FSDP2 and DDP.
+
+Every case compares loss and parameter gradients (averaged over ranks, as FSDP/DDP do) with
+one process running the same model on the whole sequence.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import cptune
+from tests._helpers import max_err
+from tests._models import Block, TwoBlocks
+
+TOL = 1e-5
+
+
+def _average_grads(model, group=None):
+    size = dist.get_world_size(group)
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=group)
+        p.grad /= size
+
+
+def _compare(model, ref, loss, ref_loss):
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    grad_err = max(max_err(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters()))
+    return {"loss_err": abs(loss.item() / dist.get_world_size() - ref_loss.item()), "grad_err": grad_err}
+
+
+def _step_case(ac, rotate="alltoall", lb=True, compiled=False, after=False, no_restore=False, seq_len=32):
+    torch.manual_seed(0)
+    model = TwoBlocks(ac)
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, seq_len, 32)
+    ref_loss = ref(x).square().mean()
+    ref_loss.backward()
+    run = torch.compile(model) if compiled else model
+    xs = x.clone()
+    config = cptune.CPConfig(rotate_method=rotate, load_balance=lb)
+    try:
+        with cptune.context_parallel(buffers=[xs], seq_dims=[1], config=config,
+                                     no_restore=[xs] if no_restore else ()):
+            loss = run(xs).square().mean()
+            if not after:
+                loss.backward()
+        if after:
+            loss.backward()
+    except cptune.CPTuneError as exc:
+        return {"error": str(exc), "restored": tuple(xs.shape)}
+    _average_grads(model)
+    return _compare(model, ref, loss, ref_loss)
+
+
+@pytest.mark.parametrize("ac", TwoBlocks.AC)
+def test_activation_checkpointing_matches_one_process(ranks, ac):
+    for r in ranks(2).run(_step_case, ac):
+        assert r.get("loss_err", 1) <= TOL and r["grad_err"] <= TOL, r
+
+
+@pytest.mark.parametrize("ac,rotate,lb", [("full", "allgather", False), ("selective", "alltoall", True),
+                                          ("reentrant", "allgather", True)])
+def test_activation_checkpointing_four_ranks(ranks, ac, rotate, lb):
+    for r in ranks(4).run(_step_case, ac, rotate, lb):
+        assert r.get("loss_err", 1) <= TOL and r["grad_err"] <= TOL, r
+
+
+@pytest.mark.parametrize("ac", ["full", "reentrant", "wrapper"])
+def test_checkpointed_backward_after_block_is_a_clear_error(ranks, ac):
+    for r in ranks(2).run(_step_case, ac, after=True, no_restore=True):
+        assert "activation checkpointing" in r["error"] and "backward() inside" in r["error"], r
+
+
+def test_in_place_buffer_held_by_autograd_is_not_restored_under_it(ranks):
+    for r in ranks(2).run(_step_case, "none", after=True):
+        assert "buffers[0]" in r["error"] and "no_restore" in r["error"], r
+        assert r["restored"] == (2, 16, 32)  # left sharded, so a backward now would still be right
+    for r in ranks(2).run(_step_case, "none", after=True, no_restore=True):  # the fix it names
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, r
+
+
+def _compiled_case(world_configs, ac):
+    """One compiled model through every configuration: each must equal eager one process."""
+    results = []
+    for rotate, lb in world_configs:
+        results.append({"config": (rotate, lb), **_step_case(ac, rotate, lb, compiled=True)})
+    return results
+
+
+_CONFIGS = [(rotate, lb) for rotate in ("allgather", "alltoall") for lb in (True, False)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_torch_compile_matches_one_process(ranks, world, ac):
+    for per_rank in ranks(world).run(_compiled_case, _CONFIGS, ac):
+        for r in per_rank:
+            assert r.get("loss_err", 1) <= TOL and r["grad_err"] <= TOL, r
+
+
+def _fullgraph_case(ac):
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    block = Block()
+    fn = (lambda x: checkpoint(block, x, use_reentrant=False)) if ac else block
+    compiled = torch.compile(fn, fullgraph=True)  # any graph break raises
+    graphs = []
+    for _ in range(2):
+        x = torch.randn(2, 32, 32)
+        with cptune.context_parallel(buffers=[x], seq_dims=[1]):
+            compiled(x).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return graphs
+
+
+@pytest.mark.parametrize("ac", [False, True])
+def test_attention_block_compiles_fullgraph_without_recompiling(ranks, ac):
+    for graphs in ranks(2).run(_fullgraph_case, ac):
+        assert graphs == [1, 1], graphs
+
+
+def _compiled_decorated_step_case():
+    torch.manual_seed(0)
+    model = TwoBlocks("full")
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 32, 32)
+    ref_loss = ref(x).square().mean()
+    ref_loss.backward()
+
+    @torch.compile
+    @cptune.context_parallel(seq_dims={"x": 1}, config=cptune.CPConfig(rotate_method="alltoall"))
+    def train_step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    loss = train_step(x)
+    _average_grads(model)
+    return {**_compare(model, ref, loss, ref_loss), "x": tuple(x.shape)}
+
+
+def test_compiled_decorated_step(ranks):
+    for r in ranks(2).run(_compiled_decorated_step_case):
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["x"] == (2, 32, 32), r
+
+
+# -- data parallelism around CP: FSDP2 and DDP --------------------------------------------
+
+
+def _dp_case(wrap, mesh_shape, micro_batches=1, ac="none"):
+    """``wrap``: "fsdp" over dp x cp (flattened), or "ddp" over the whole world."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    dp, cp = mesh_shape
+    torch.manual_seed(0)
+    model = TwoBlocks(ac)
+    ref = copy.deepcopy(model)
+    data = torch.randn(2 * dp, 32, 32)  # the global batch: 2 rows per replica
+    ref_loss = ref(data).square().mean()
+    ref_loss.backward()
+
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))
+    if wrap == "fsdp":
+        dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if dp > 1 else mesh["cp"]
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_cp)
+        fully_shard(model, mesh=dp_cp)
+    else:
+        model = DistributedDataParallel(model)
+    rows = data[mesh["dp"].get_local_rank() * 2:][:2]
+    losses = []
+    for i, micro in enumerate(rows.chunk(micro_batches)):
+        x = micro.clone()
+        if wrap == "fsdp":  # reduce gradients once, after the last micro-batch
+            model.set_requires_gradient_sync(i == micro_batches - 1)
+        with cptune.context_parallel(buffers=[x], seq_dims=[1], mesh=mesh):
+            loss = model(x).square().mean() / micro_batches
+            loss.backward()
+        losses.append(loss.detach())
+    loss = sum(losses)
+    dist.all_reduce(loss)
+    grad_err = 0.0
+    for p, r in zip(model.parameters(), ref.parameters()):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grad_err = max(grad_err, max_err(grad, r.grad))
+    return {"loss_err": abs(loss.item() / dist.get_world_size() - ref_loss.item()), "grad_err": grad_err}
+
+
+@pytest.mark.parametrize("world,wrap,shape,micro,ac", [
+    (2, "fsdp", (1, 2), 1, "full"),
+    (2, "fsdp", (1, 2), 2, "none"),  # gradient accumulation over two micro-batches
+    (4, "fsdp", (2, 2), 1, "selective"),  # torchtitan's layout: FSDP over the flattened dp x cp mesh
+    (4, "ddp", (2, 2), 1, "none"),
+])
+def test_data_parallel_wrappers_compose(ranks, world, wrap, shape, micro, ac):
+    for r in ranks(world).run(_dp_case, wrap, shape, micro, ac):
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, r
+
+
+def _one_rank_ring_case(device_type, backend, dtype_name, compiled):
+    """The ring forced through a 1-rank group on one device, against plain SDPA (the GPU check's core)."""
+    from cptune import _torch_cp
+
+    dtype = getattr(torch, dtype_name)
+    group = dist.new_group([dist.get_rank()])
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, device=device_type, dtype=dtype, requires_grad=True) for _ in range(3))
+    ring = lambda q, k, v: _torch_cp.ring_attention(q, k, v, group, backend, True, None, "alltoall", False)  # noqa: E731
+    fn = torch.compile(ring, fullgraph=True) if compiled else ring
+    out = fn(q, k, v)
+    out.float().square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref.float().square().sum().backward()
+    return {"out": max_err(out, ref), "grads": [max_err(g, r.grad) for g, r in zip(grads, leaves)]}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ring_through_one_rank_group_cpu(ranks, compiled):
+    for r in ranks(2).run(_one_rank_ring_case, "cpu", "flash", "float32", compiled):
+        assert r["out"] <= TOL and max(r["grads"]) <= 1e-4, r
