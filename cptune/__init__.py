@@ -6,14 +6,19 @@ Main API:
 - :func:`context_parallel`: context manager / decorator that shards sequence buffers and runs
   every SDPA call inside as ring attention over the CP ranks.
 - :func:`unshard`: the full tensors back, in original order.
+- :func:`shift_labels` / :func:`num_items_in_batch`: next-token labels shifted before sharding,
+  and the loss divisor that makes a summed loss the exact single-device mean.
+- :data:`RING_ATTENTION_OPS`: the ring attention op, for selective activation checkpointing.
+- ``cptune.hf.enable(model)``: transformers models under CP (optional module).
 - :func:`search`: measure configurations on real ranks, return the fastest that fits in memory.
 - :func:`load_recipe` / :class:`Recipe`: the search's result as a torchrun recipe file.
 - :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
 """
 
+from ._loss import shift_labels
 from ._torch_cp import RING_ATTENTION_OPS
 from .config import CPConfig
-from .context import CPTuneWarning, context_parallel, unshard
+from .context import CPTuneWarning, context_parallel, num_items_in_batch, unshard
 from .errors import CPTuneError, Problem, ValidationError
 from .recipe import Recipe, load_recipe, save_recipe
 from .search import SearchResult, Workload, search
@@ -32,7 +37,9 @@ __all__ = [
     "Workload",
     "context_parallel",
     "load_recipe",
+    "num_items_in_batch",
     "save_recipe",
     "search",
+    "shift_labels",
     "unshard",
 ]

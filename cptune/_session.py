@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from . import _sharding, _torch_cp
+from . import _loss, _sharding, _torch_cp
 from .config import CPConfig
 from .errors import CPTuneError, Problem, ValidationError, raise_if
 from .validate import BufferPlan, check_buffers, check_sdpa_call, pick_backend
@@ -109,7 +109,7 @@ class _Session:
     def __init__(self, config: CPConfig, causal: bool, recipe: Any = None) -> None:
         self.config, self.causal, self.recipe = config, causal, recipe
         self.dp = self.cp = 1
-        self.cp_rank = 0
+        self.cp_rank = self.dp_rank = 0
         self.mesh: DeviceMesh | None = None
         self.cp_mesh: DeviceMesh | None = None
         self.group: dist.ProcessGroup | None = None
@@ -223,6 +223,8 @@ class _Session:
         if self.cp_mesh is not None:
             self.group = self.cp_mesh.get_group()
             self.cp_rank = self.cp_mesh.get_local_rank()
+        if self.mesh is not None and self.mesh.ndim == 2:
+            self.dp_rank = self.mesh.get_local_rank(0)
 
     def _shard(self, no_restore: Sequence[Any], inplace: bool) -> None:
         lb = self.plan.load_balance
@@ -306,6 +308,15 @@ class _Session:
                 "this rank's shard (wrong gradients)", "call loss.backward() inside the with-block (or "
                 "inside the decorated function)"))
         raise_if(problems)
+
+    def num_items_in_batch(self, labels: torch.Tensor, ignore_index: int, over: str) -> torch.Tensor:
+        raise_if([Problem("over", f"is {over!r}", "use over='all' (every dp x cp rank) or over='cp' "
+                          "(this dp replica)")] if over not in ("all", "cp") else [])
+        groups = [self.group] if self.group is not None else []
+        if over == "all" and self.dp > 1:
+            # the dp dim of the ("dp", "cp") mesh; with cp = 1 no mesh is built and the world is dp
+            groups.append(self.mesh.get_group(0) if self.mesh is not None else dist.group.WORLD)
+        return _loss.count_items(labels, groups, self.cp * (self.dp if over == "all" else 1), ignore_index)
 
     def unshard(self, tensors: Any, seq_dims: Any) -> Any:
         single = isinstance(tensors, torch.Tensor)

@@ -163,13 +163,42 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         """This rank's shard of every buffer, by its path ('buffers[0]', "buffers['labels']")."""
         return dict(self._require().shards)
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica (its row in the ("dp", "cp") mesh)."""
+        return self._require().dp_rank
+
     def unshard(self, tensors: Any, seq_dims: Any) -> Any:
         return self._require().unshard(tensors, seq_dims)
+
+    def num_items_in_batch(self, labels: torch.Tensor, ignore_index: int = -100, over: str = "all") -> torch.Tensor:
+        """The divisor that turns this rank's *summed* token loss into its exact share of the mean.
+
+        ``labels``: this rank's shard of the (already shifted) labels. ``over="all"`` (default):
+        the mean over every valid token of the global batch (all dp x cp ranks);
+        ``over="cp"``: the mean over this dp replica's tokens, averaged over replicas (DDP's
+        convention). Gradients averaged over all ranks (FSDP/DDP, cptune's buffer grads) are
+        then the single-device gradient of that mean. transformers' causal-LM losses take it
+        as ``num_items_in_batch=``. A collective: call it on every rank.
+        """
+        return self._require().num_items_in_batch(labels, ignore_index, over)
 
 
 @torch.compiler.disable
 def _stop(session: _Session, failing: bool = False) -> None:
     session.stop(failing=failing)
+
+
+def _active() -> _Session:
+    if not _ACTIVE:
+        raise CPTuneError("this needs an active cptune.context_parallel block (or decorated call); "
+                          "call it inside one, or use the object the with-statement returned")
+    return _ACTIVE[-1]
+
+
+def num_items_in_batch(labels: torch.Tensor, ignore_index: int = -100, over: str = "all") -> torch.Tensor:
+    """:meth:`context_parallel.num_items_in_batch` of the active block (for the decorator form)."""
+    return _active().num_items_in_batch(labels, ignore_index, over)
 
 
 def unshard(tensors: Any, seq_dims: Any, *, context: context_parallel | None = None) -> Any:
@@ -187,4 +216,4 @@ def unshard(tensors: Any, seq_dims: Any, *, context: context_parallel | None = N
     return _ACTIVE[-1].unshard(tensors, seq_dims)
 
 
-__all__ = ["context_parallel", "unshard", "CPTuneWarning", "default_backends", "SDPA_BACKENDS"]
+__all__ = ["context_parallel", "unshard", "num_items_in_batch", "CPTuneWarning", "default_backends", "SDPA_BACKENDS"]

@@ -153,7 +153,22 @@ def check_buffers(
         if plan.load_balance and not causal and load_balance is True:
             problems.append(Problem("config.load_balance", "load balancing only applies to causal attention",
                                     "set load_balance='auto' or False for non-causal attention"))
+    if cp > 1:
+        plan.notes += unshifted_label_notes(plan)
     return plan, problems
+
+
+def unshifted_label_notes(plan: BufferPlan) -> list[str]:
+    """Warn when two integer buffers are equal: labels = input_ids, to be shifted inside each shard."""
+    ints = [(n, t) for n, t in zip(plan.names, plan.tensors) if not t.is_floating_point() and t.dtype != torch.bool]
+    for i, (name_a, a) in enumerate(ints):
+        for name_b, b in ints[i + 1:]:
+            if a.shape == b.shape and a.device == b.device and torch.equal(a, b):
+                return [f"{name_a} and {name_b} are equal (labels = input_ids?): a causal-LM loss that shifts "
+                        "labels inside each rank's shard pairs tokens that are not neighbours and gives wrong "
+                        "gradients under CP. Shift before sharding: labels = cptune.shift_labels(input_ids), "
+                        "and pass it to transformers as shift_labels= (see the README's language-model section)"]
+    return []
 
 
 def backend_problem(device_type: str, backend: str, dtype: torch.dtype | None, ring: bool) -> str | None:

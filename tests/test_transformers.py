@@ -1,0 +1,109 @@
+"""A transformers causal LM trained under cptune equals one process: loss and parameter gradients.
+
+Trained the way transformers trains (``model.train()``, gradient checkpointing,
+``use_cache=False``, global ``position_ids``), with load balancing and ``-100`` labels spread
+unevenly over the ranks.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cptune
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-5
+
+
+def _llama(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def _batch(step, batch=2, seq_len=32):
+    gen = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 128, (batch, seq_len), generator=gen)
+    labels = ids.clone()
+    labels[0, :11] = -100  # a prompt masked out: all on the first ranks' shards
+    labels[1, -3:] = -100  # and a padded tail
+    return ids, labels, torch.arange(seq_len).expand(batch, seq_len)
+
+
+def _hf_case(steps, rotate, checkpointing):
+    import cptune.hf
+
+    ref, model = _llama(), _llama()
+    cptune.hf.enable(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for m in (ref, model):
+        m.train()
+        if checkpointing:
+            m.gradient_checkpointing_enable()
+    world = dist.get_world_size()
+    config = cptune.CPConfig(rotate_method=rotate, load_balance=True)
+    results = []
+    for step in range(steps):
+        ids, labels, positions = _batch(step)
+        ref_loss = ref(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
+        ref_loss.backward()
+
+        shifted = cptune.shift_labels(labels)
+        with cptune.context_parallel(buffers=[ids, shifted, positions], seq_dims=[1, 1, 1], config=config):
+            loss = model(input_ids=ids, position_ids=positions, shift_labels=shifted, use_cache=False).loss
+            loss.backward()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        grad_err = 0.0
+        for p, r in zip(model.parameters(), ref.parameters()):
+            dist.all_reduce(p.grad)  # what FSDP/DDP do: average over ranks
+            p.grad /= world
+            grad_err = max(grad_err, (p.grad - r.grad).abs().max().item())
+        results.append({"loss_err": abs(loss.item() / world - ref_loss.item()), "grad_err": grad_err})
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return results
+
+
+@pytest.mark.parametrize("world,rotate,checkpointing", [(2, "alltoall", True), (4, "allgather", True),
+                                                        (2, "allgather", False)])
+def test_llama_trains_like_one_process(ranks, world, rotate, checkpointing):
+    for per_rank in ranks(world).run(_hf_case, 3, rotate, checkpointing):
+        for r in per_rank:
+            assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, per_rank
+
+
+def _hf_mistake_case(mistake):
+    import cptune.hf
+
+    model = cptune.hf.enable(_llama())
+    ids, labels, positions = _batch(0)
+    kwargs = {"input_ids": ids, "position_ids": positions, "labels": ids, "use_cache": False}
+    buffers = [ids, positions]
+    if mistake == "positions":
+        kwargs.pop("position_ids")
+    elif mistake == "mask":
+        mask = torch.ones_like(ids)
+        mask[0, -4:] = 0
+        kwargs["attention_mask"] = mask
+        buffers.append(mask)
+    try:
+        with cptune.context_parallel(buffers=buffers, seq_dims=[1] * len(buffers)):
+            model(**kwargs)
+    except cptune.ValidationError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("mistake,named", [("labels", "shift_labels"), ("positions", "position_ids"),
+                                           ("mask", "attention_mask")])
+def test_silent_mistakes_are_refused(ranks, mistake, named):
+    for message in ranks(2).run(_hf_mistake_case, mistake):
+        assert named in message and "Fix:" in message, message
