@@ -1,15 +1,21 @@
 """Train a small Llama-style decoder with context parallelism, configured by a cptune recipe.
 
     python examples/train_llama_cp.py                                   # one process, the reference
-    cptune launch recipes/cpu-2r-s1024-causal.yaml -- examples/train_llama_cp.py
-    CPTUNE_RECIPE=recipes/cpu-2r-s1024-causal.yaml torchrun --standalone --nnodes=1 --nproc-per-node=2 examples/train_llama_cp.py
+    cptune launch recipes/cpu-2r-s4096-causal.yaml -- --compile --ac selective --fsdp
+    CPTUNE_RECIPE=recipes/cpu-2r-s4096-causal.yaml torchrun --standalone --nnodes=1 --nproc-per-node=2 \
+        examples/train_llama_cp.py --compile --ac selective --fsdp
 
 The model below is plain PyTorch (RMSNorm, rotary positions, causal SDPA with grouped-query
-attention, SwiGLU) and knows nothing of distribution. The training step is wrapped by
-``cptune.context_parallel``, which shards input_ids, labels and position_ids along the
-sequence over the recipe's (dp, cp) mesh; gradients are averaged over all ranks. With the
-same seed and global batch, every step's loss equals the single-process run's (float32:
-within 1e-5; ``--losses-out`` writes them to compare).
+attention, SwiGLU) and knows nothing of distribution. ``parallelize`` applies, in
+torchtitan's order: context parallelism (nothing to do to the model: the training step runs
+inside ``cptune.context_parallel``), activation checkpointing per block (``--ac full`` or
+``selective``, which keeps the ring attention's output instead of recomputing it), then
+``torch.compile`` per block (``--compile``), then FSDP2 over the flattened dp x cp mesh
+(``--fsdp``; without it gradients are averaged by hand). Labels are shifted over the whole
+sequence before sharding (``cptune.shift_labels``) and the loss is normalized over every
+rank's tokens (``cptune.num_items_in_batch``), so with the same seed and global batch every
+step's loss equals the single-process run's (float32: within 1e-5; ``--losses-out`` writes
+them to compare).
 
 To tune on this model instead of the attention proxy:
     cptune search --workload examples.train_llama_cp:search_step --seq-len 1024 --nproc 2
@@ -18,6 +24,7 @@ To tune on this model instead of the attention proxy:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -25,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cptune
 
@@ -86,22 +95,52 @@ class Llama(nn.Module):
 
 
 def loss_fn(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the mean next-token loss; ``labels`` come from cptune.shift_labels."""
     logits = model(input_ids, position_ids)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    summed = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return summed / cptune.num_items_in_batch(labels)
+
+
+def _keep_matmuls_and_ring(ctx, op, *args, **kwargs):
+    keep = op in cptune.RING_ATTENTION_OPS or op == torch.ops.aten.mm.default
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def parallelize(model: Llama, ac: str, compile_blocks: bool, fsdp_mesh=None) -> Llama:
+    """Activation checkpointing, then torch.compile, then FSDP2, per block (torchtitan's order)."""
+    for i, block in enumerate(model.blocks):
+        if ac == "full":
+            block = checkpoint_wrapper(block)
+        elif ac == "selective":
+            block = checkpoint_wrapper(block, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, _keep_matmuls_and_ring))
+        if compile_blocks:
+            block = torch.compile(block)
+        model.blocks[i] = block
+    if fsdp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+    return model
 
 
 def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.device):
-    """Synthetic sequences with structure to learn: token t+1 = (token t * 3 + 1) % vocab, with noise."""
+    """Synthetic sequences with structure to learn: token t+1 = (token t * 3 + 1) % vocab, with noise.
+
+    Returns input ids, next-token labels (shifted over the whole sequence, before any
+    sharding) and global positions.
+    """
     gen = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, vocab, (batch, 1), generator=gen)
-    tokens = [start]
-    for _ in range(seq_len):
+    tokens = [torch.randint(0, vocab, (batch, 1), generator=gen)]
+    for _ in range(seq_len - 1):
         tokens.append((tokens[-1] * 3 + 1) % vocab)
     seq = torch.cat(tokens, dim=1)
     noise = torch.rand(seq.shape, generator=gen) < 0.1
     seq = torch.where(noise, torch.randint(0, vocab, seq.shape, generator=gen), seq)
     positions = torch.arange(seq_len).expand(batch, seq_len)
-    return seq[:, :-1].to(device), seq[:, 1:].to(device), positions.to(device)
+    return seq.to(device), cptune.shift_labels(seq).to(device), positions.to(device)
 
 
 def search_step(workload: cptune.Workload, device: torch.device):
@@ -126,6 +165,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="Global batch (split over dp replicas)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--losses-out", default=None, help="Write the per-step losses here (JSON)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument("--ac", choices=["none", "full", "selective"], default="none",
+                        help="Activation checkpointing per block (selective keeps matmuls and the ring attention)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the flattened dp x cp mesh")
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
@@ -148,33 +191,49 @@ def main() -> None:
         raise SystemExit(f"--batch {args.batch} must be divisible by the recipe's dp degree {dp}")
     replica = rank // cp  # ("dp", "cp") mesh, row-major: ranks of one replica are consecutive
 
+    mesh = fsdp_mesh = None
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        if args.fsdp:
+            fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
     torch.manual_seed(0)  # the same initial weights everywhere
-    model = Llama().to(device)
+    model = parallelize(Llama().to(device), args.ac, args.compile, fsdp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    train_step = cptune.context_parallel(seq_dims={"input_ids": 1, "labels": 1, "position_ids": 1},
-                                         recipe=recipe)(loss_fn)
+
+    @cptune.context_parallel(seq_dims={"input_ids": 1, "labels": 1, "position_ids": 1}, recipe=recipe,
+                             mesh=mesh if cp > 1 else None)
+    def train_step(input_ids, labels, position_ids):
+        loss = loss_fn(model, input_ids, labels, position_ids)
+        loss.backward()  # inside the CP step: checkpointed blocks recompute with the ring
+        return loss.detach()
+
     losses = []
     for step in range(args.steps):
         input_ids, labels, positions = make_batch(step, args.batch, seq_len, 256, device)
         per = args.batch // dp
         rows = slice(replica * per, (replica + 1) * per)
-        loss = train_step(model, input_ids[rows], labels[rows], positions[rows])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        loss = loss.detach()
-        if distributed:  # every rank holds an equal share of tokens: averages give the global mean
-            for t in (*(p.grad for p in model.parameters()), loss):
-                dist.all_reduce(t)  # sum, then divide: gloo has no AVG
-                t /= world
+        loss = train_step(input_ids[rows], labels[rows], positions[rows])
+        if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean
+            dist.all_reduce(loss)
+            if not args.fsdp:  # FSDP averages gradients itself; by hand: sum, then divide (gloo has no AVG)
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            loss /= world
         optimizer.step()
         losses.append(loss.item())
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
     if rank == 0:
-        print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, config: {config.label()}")
+        extras = f"compile={args.compile} ac={args.ac} fsdp={args.fsdp}"
+        print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, config: {config.label()}, {extras}")
         if args.losses_out:
             with open(args.losses_out, "w") as f:
-                json.dump({"losses": losses, "world": world, "dp": dp, "cp": cp, "config": config.label()}, f)
+                json.dump({"losses": losses, "world": world, "dp": dp, "cp": cp, "config": config.label(),
+                           "compile": args.compile, "ac": args.ac, "fsdp": args.fsdp}, f)
     if distributed:
         dist.destroy_process_group()
 

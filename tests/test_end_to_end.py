@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import cptune
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,3 +45,15 @@ def test_canonical_example_under_torchrun():
     line = next(x for x in result.stdout.splitlines() if x.startswith("max abs error"))
     errors = [float(v) for v in re.findall(r"\d\.\d+e[-+]\d+", line)]
     assert len(errors) == 4 and max(errors) < 1e-5
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_example_with_compile_selective_ac_and_fsdp_matches_one_process(tmp_path, nproc):
+    script = str(ROOT / "examples/train_llama_cp.py")
+    common = ["--seq-len", "256", "--steps", "2"]
+    run([sys.executable, script, *common, "--losses-out", "one.json"], tmp_path)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *common,
+         "--compile", "--ac", "selective", "--fsdp", "--losses-out", "cp.json"], tmp_path, timeout=600)
+    cp, one = json.loads((tmp_path / "cp.json").read_text()), json.loads((tmp_path / "one.json").read_text())
+    assert cp["world"] == nproc and cp["cp"] == nproc and cp["compile"] and cp["fsdp"] and cp["ac"] == "selective"
+    assert max(abs(a - b) for a, b in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
