@@ -71,6 +71,9 @@ def _init_torchrun() -> bool:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layers", type=int, default=1, show_default=True, help="Attention layers in the proxy step.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile each proxy layer (compile time reported apart).")
+@click.option("--ac", type=click.Choice(["none", "full", "selective"]), default="none", show_default=True,
+              help="Activation checkpointing per proxy layer, as the training run will use.")
 @click.option("--workload", "step", default=None, metavar="MODULE:FUNCTION",
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
 @click.option("--nproc", type=int, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
@@ -86,7 +89,7 @@ def _init_torchrun() -> bool:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, step, nproc, device, memory_budget, storage,
+def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, nproc, device, memory_budget, storage,
            study_name, n_trials, timeout, trial_timeout, sampler, min_seconds, out, script, as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
 
@@ -103,7 +106,7 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, ste
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     workload = Workload(seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                        dtype=dtype, causal=causal, layers=layers, step=step)
+                        dtype=dtype, causal=causal, layers=layers, compile=compile_, ac=ac, step=step)
     if step and "" not in sys.path:
         sys.path.insert(0, "")  # --workload modules are found from the current folder, like python -m
     is_rank0 = _init_torchrun()
@@ -187,7 +190,8 @@ def show(recipe_path, as_json) -> None:
                f"script {recipe.launch.script or '(give one after --)'}")
     click.echo("measured : " + (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
                                  f"{', '.join(_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
-                                 f"{_size(m.memory_budget)})" if m.measured else "no (not measured)"))
+                                 f"{_size(m.memory_budget)})" if m.measured else "no (not measured)")
+               + (f", compile {m.compile_s:.1f}s (not in tokens/s)" if m.compile_s is not None else ""))
     click.echo(f"from     : {p.device_count} x {p.device} ({p.backend}), torch {p.torch_version}, cptune "
                f"{p.cptune_version}, {p.date}, study {p.study_name} ({p.n_trials} trials)")
 

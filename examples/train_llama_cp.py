@@ -165,9 +165,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="Global batch (split over dp replicas)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--losses-out", default=None, help="Write the per-step losses here (JSON)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
-    parser.add_argument("--ac", choices=["none", "full", "selective"], default="none",
-                        help="Activation checkpointing per block (selective keeps matmuls and the ring attention)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile each block (default: as the recipe was measured, else off)")
+    parser.add_argument("--ac", choices=["none", "full", "selective"], default=None,
+                        help="Activation checkpointing per block; selective keeps matmuls and the ring attention "
+                             "(default: as the recipe was measured, else none)")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the flattened dp x cp mesh")
     args = parser.parse_args()
 
@@ -186,6 +188,10 @@ def main() -> None:
     recipe = cptune.load_recipe(recipe_path) if recipe_path else None
     config = recipe.config if recipe else cptune.CPConfig()
     seq_len = args.seq_len or (recipe.workload.seq_len if recipe else 1024)
+    if args.compile is None:  # run as the recipe was measured
+        args.compile = bool(recipe and recipe.workload.compile)
+    if args.ac is None:
+        args.ac = recipe.workload.ac if recipe else "none"
     dp, cp = config.resolve_mesh_shape(world)
     if args.batch % dp:
         raise SystemExit(f"--batch {args.batch} must be divisible by the recipe's dp degree {dp}")

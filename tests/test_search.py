@@ -177,3 +177,17 @@ def test_real_search_on_a_user_step(tmp_path):
                            settings=MeasureSettings(warmup=0, min_repeats=1, min_seconds=0))
     assert result.complete and len(result.trials) == 5
     assert all(r.state == "ok" and r.tokens_per_s > 0 and r.predicted_bytes is None for r in result.trials)
+
+
+def test_real_search_measures_compiled_checkpointed_steps(tmp_path):
+    """--compile --ac selective: the proxy runs as training will; compile time is kept apart."""
+    workload = Workload(seq_len=256, heads=2, head_dim=16, layers=2, compile=True, ac="selective")
+    result = cptune.search(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'c.db'}", memory_budget="8GiB",
+                           settings=MeasureSettings(warmup=1, min_repeats=2, min_seconds=0), confirm=False)
+    assert result.complete and "compiled-acselective" in result.study_name
+    for r in result.trials:
+        assert r.state == "ok" and r.tokens_per_s > 0 and r.predicted_bytes is None  # no model: measured only
+        assert r.compile_s is not None and r.compile_s >= 0
+    assert "compile" in result.table().splitlines()[0]
+    recipe = cptune.recipe.recipe_from_search(result)
+    assert recipe.workload.compile and recipe.workload.ac == "selective" and recipe.metrics.compile_s is not None

@@ -42,6 +42,7 @@ def get_storage(storage: None | str | optuna.storages.BaseStorage) -> optuna.sto
 def default_study_name(workload: Workload, world_size: int, device_type: str) -> str:
     kv = f"-kv{workload.kv_heads}" if workload.kv_heads else ""
     step = f"-{workload.step.replace(':', '.')}" if workload.step else ""
+    step += ("-compiled" if workload.compile else "") + (f"-ac{workload.ac}" if workload.ac != "none" else "")
     return (f"cptune-{device_type}{world_size}-S{workload.seq_len}-B{workload.batch}-H{workload.heads}{kv}"
             f"-D{workload.head_dim}-{workload.dtype}-{'causal' if workload.causal else 'full'}{step}")
 
@@ -174,7 +175,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
         trial.set_user_attr("reason", f"invalid: {reason}")
         study.tell(trial, state=state.PRUNED)
         return _frozen(study, trial)
-    predicted = predict_peak(workload, config, baseline) if not workload.step else None  # proxy only
+    predicted = predict_peak(workload, config, baseline) if workload.predictable else None
     trial.set_user_attr("predicted_bytes", predicted)
     trial.set_user_attr("memory_budget", budget)
     if predicted is not None and predicted > PRUNE_FACTOR * budget:

@@ -67,8 +67,12 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
             with context_parallel(config=config, causal=workload.causal):
                 proxy()
 
-    for _ in range(settings.warmup):
+    for i in range(settings.warmup):
+        t0 = time.perf_counter()
         run()
+        _sync(device)
+        if i == 0:
+            first_step = time.perf_counter() - t0  # with torch.compile: includes compiling
     times: list[float] = []
     start = time.perf_counter()
     while True:
@@ -86,7 +90,7 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
             break
     _sync(device)
     return {"rank": dist.get_rank(), "times": times, "peak": read_peak(device), "baseline": baseline,
-            "pid": os.getpid()}
+            "pid": os.getpid(), "first_step": first_step if settings.warmup else None}
 
 
 def baseline_on_rank(mesh_shapes: Sequence[tuple[int, int]] = ()) -> int:
@@ -116,6 +120,7 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, ba
     steps = [max(r["times"][i] for r in per_rank) for i in range(min(len(r["times"]) for r in per_rank))]
     step_time = statistics.median(steps)
     dp = config.mesh_shape[0]
+    firsts = [r.get("first_step") for r in per_rank]
     return {
         "step_time_s": step_time,
         "tokens_per_s": dp * workload.batch * workload.seq_len / step_time,
@@ -123,4 +128,5 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, ba
         "peak_per_rank": peaks,
         "repeats": len(steps),
         "spread": (max(steps) - min(steps)) / step_time if steps else 0.0,
+        **({"compile_s": max(0.0, max(firsts) - step_time)} if workload.compile and all(firsts) else {}),
     }

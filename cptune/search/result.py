@@ -25,6 +25,7 @@ class TrialRecord:
     feasible: bool | None = None
     reason: str = ""
     measurements: int = 1  # tokens_per_s is the median of this many measurements
+    compile_s: float | None = None  # torch.compile time of the first step, kept out of tokens_per_s
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -48,7 +49,8 @@ def record_from(t: optuna.trial.FrozenTrial) -> TrialRecord:
     return TrialRecord(number=t.number, config=CPConfig(**a["config"]), state=state,
                        tokens_per_s=t.value if t.state == optuna.trial.TrialState.COMPLETE else None,
                        step_time_s=a.get("step_time_s"), peak_bytes=a.get("peak_bytes"),
-                       predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"), feasible=a.get("feasible"), reason=reason)
+                       predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"), feasible=a.get("feasible"), reason=reason,
+                       compile_s=a.get("compile_s"))
 
 
 @dataclass
@@ -83,13 +85,17 @@ class SearchResult:
         return "no configuration fits the memory budget " + format_size(self.memory_budget) + ":\n" + "\n".join(lines)
 
     def table(self) -> str:
-        head = f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'peak':>10} {'predicted':>10}  {'feasible':<8} reason"
+        compiled = self.workload.compile
+        extra = f" {'compile':>8}" if compiled else ""
+        head = (f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'peak':>10} {'predicted':>10}{extra}  "
+                f"{'feasible':<8} reason")
         lines = [head, "-" * len(head)]
         for r in self.ranked:
             tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
             feasible = {True: "yes", False: "no", None: "-"}[r.feasible]
+            comp = (f" {r.compile_s:>7.1f}s" if r.compile_s is not None else f" {'-':>8}") if compiled else ""
             lines.append(f"{r.number:>3}  {r.config.label():<34} {tps:>10} {format_size(r.peak_bytes):>10} "
-                         f"{format_size(r.predicted_bytes):>10}  {feasible:<8} {r.reason}")
+                         f"{format_size(r.predicted_bytes):>10}{comp}  {feasible:<8} {r.reason}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -14,6 +15,7 @@ from ..config import StrictModel
 from ..errors import CPTuneError, Problem, ValidationError
 
 DType = Literal["float32", "bfloat16", "float16"]
+AC = Literal["none", "full", "selective"]
 
 
 class Workload(StrictModel):
@@ -29,6 +31,10 @@ class Workload(StrictModel):
     causal: bool = True
     layers: int = Field(1, gt=0, json_schema_extra={"fix": "give --layers as a positive count"})
     """Attention layers in the proxy step; each keeps its activations for backward, as a model's do."""
+    compile: bool = False
+    """torch.compile each proxy layer (compile time is measured apart from the step time)."""
+    ac: AC = Field("none", json_schema_extra={"fix": "use --ac none, full or selective"})
+    """Activation checkpointing per proxy layer: full, or selective (keeps the ring attention's output)."""
     step: str | None = Field(None, json_schema_extra={
         "fix": "give --workload as 'module:function' naming an importable function"})
     """'module:function' building the user's step (see :func:`load_user_step`); None: the proxy."""
@@ -40,6 +46,11 @@ class Workload(StrictModel):
         if self.step is not None and (":" not in self.step or self.step.count(":") != 1):
             raise ValueError(f"step must look like 'module:function', got {self.step!r}")
         return self
+
+    @property
+    def predictable(self) -> bool:
+        """Whether the analytic memory model covers this step (the plain proxy: no user step, AC or compile)."""
+        return self.step is None and self.ac == "none" and not self.compile
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,6 +65,8 @@ class Workload(StrictModel):
         gqa = f"/{self.kv_heads}kv" if self.kv_heads and self.kv_heads != self.heads else ""
         layers = f" L={self.layers}" if self.layers != 1 else ""
         base = f"S={self.seq_len} B={self.batch} H={self.heads}{gqa} D={self.head_dim}{layers} {self.dtype} {kind}"
+        base += " compiled" if self.compile else ""
+        base += f" ac={self.ac}" if self.ac != "none" else ""
         return base + (f" step={self.step}" if self.step else "")
 
 
@@ -78,14 +91,38 @@ class ProxyStep:
         self.grad = torch.randn(shape, device=device, generator=gen).to(w.torch_dtype)
         self.kv_heads = w.kv_heads or w.heads
         self.causal, self.layers, self.gqa = w.causal, w.layers, self.kv_heads != w.heads
+        layer = self.layer
+        if w.ac != "none":
+            layer = functools.partial(_checkpointed, self.layer, w.ac == "selective")
+        self.run_layer = torch.compile(layer) if w.compile else layer
+
+    def layer(self, h: torch.Tensor) -> torch.Tensor:
+        kv = h[:, : self.kv_heads].contiguous() if self.gqa else h
+        return h + F.scaled_dot_product_attention(h, kv, kv, is_causal=self.causal, enable_gqa=self.gqa)
 
     def __call__(self) -> None:
         self.x.grad = None
         h = self.x
         for _ in range(self.layers):
-            kv = h[:, : self.kv_heads].contiguous() if self.gqa else h
-            h = h + F.scaled_dot_product_attention(h, kv, kv, is_causal=self.causal, enable_gqa=self.gqa)
+            h = self.run_layer(h)
         h.backward(self.grad)
+
+
+def _keep_ring(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from .._torch_cp import RING_ATTENTION_OPS
+
+    return CheckpointPolicy.MUST_SAVE if op in RING_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(layer: Callable, selective: bool, h: torch.Tensor) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if selective:
+        return checkpoint(layer, h, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_ring))
+    return checkpoint(layer, h, use_reentrant=False)
 
 
 def load_user_step(spec: str) -> Callable[[Workload, torch.device], tuple[StepFn, Sequence[torch.Tensor], Sequence[int]]]:
