@@ -1,7 +1,13 @@
-"""GPU benchmark (one GPU, under 8 minutes): SDPA backend sweep at cp=1 and memory-model calibration.
+"""GPU benchmark (one GPU, under 8 minutes): ring check, SDPA backend sweep at cp=1, memory-model calibration.
 
     python -m benchmarks.gpu                   # on a machine with a CUDA GPU
     python -m benchmarks.gpu --smoke           # a tiny CPU run of the same code path (CI)
+
+0. Ring check on ONE GPU (two NCCL ranks need two): cptune's ring attention op forced through
+   a 1-rank process group, for each CUDA backend (flash, efficient, cuDNN), eager and under
+   torch.compile(fullgraph=True), forward + backward, against plain SDPA: errors against a
+   float32 reference next to plain SDPA's own, and ring / plain step time. (pytest -m gpu
+   runs the same check and asserts the errors.)
 
 1. Backend sweep: flash, efficient and cuDNN attention, bfloat16, causal forward + backward,
    B=1, H=16, D=128, sequence lengths 8K to 64K: achieved TFLOP/s (7 * B * H * S^2 * D flops:
@@ -45,6 +51,62 @@ def _time(fn, device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int = 4096, heads: int = 8,
+               head_dim: int = 64, group=None) -> list:
+    """cptune's ring op through a 1-rank group vs plain SDPA, per backend, eager and compiled.
+
+    Errors are max |x - float32 reference| for the output and q/k/v grads of
+    loss = sum(out**2); ``single_*`` are plain SDPA's own errors at ``dtype``.
+    """
+    import torch.distributed as dist
+
+    from cptune import _torch_cp
+
+    group = group or dist.group.WORLD
+    torch.manual_seed(0)
+    full = [torch.randn(1, heads, seq_len, head_dim, device=device) for _ in range(3)]
+
+    def run(fn, leaves_dtype):
+        leaves = [t.to(leaves_dtype).requires_grad_() for t in full]
+        out = fn(*leaves)
+        out.float().square().sum().backward()
+        return out.detach().float(), [t.grad.float() for t in leaves]
+
+    ref_out, ref_grads = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), torch.float32)
+
+    def errors(out, grads):
+        return (out - ref_out).abs().max().item(), [(g - r).abs().max().item() for g, r in zip(grads, ref_grads)]
+
+    rows = []
+    for name in backends:
+        problem = _torch_cp.ring_backend_problem(device.type, name, dtype)
+        if problem:
+            rows.append({"backend": name, "skipped": problem})
+            print(rows[-1], flush=True)
+            continue
+
+        def plain(q, k, v, kernel=KERNELS[name] if device.type == "cuda" else SDPBackend.FLASH_ATTENTION):
+            with sdpa_kernel(kernel):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        single_out, single_grads = errors(*run(plain, dtype))
+        for compiled in (False, True):
+            def ring(q, k, v, name=name):
+                return _torch_cp.ring_attention(q, k, v, group, name, True, None, "alltoall", False)
+
+            fn = torch.compile(ring, fullgraph=True) if compiled else ring
+            out_err, grad_errs = errors(*run(fn, dtype))
+            leaves = [t.to(dtype).requires_grad_() for t in full]
+            ring_s = _time(lambda fn=fn: fn(*leaves).float().sum().backward(), device, warmup=1, repeats=3)
+            plain_s = _time(lambda: plain(*leaves).float().sum().backward(), device, warmup=1, repeats=3)
+            rows.append({"backend": name, "compiled": compiled, "dtype": str(dtype).replace("torch.", ""),
+                         "seq_len": seq_len, "out_err": out_err, "grad_errs": grad_errs,
+                         "single_out_err": single_out, "single_grad_errs": single_grads,
+                         "ring_over_plain": ring_s / plain_s})
+            print(rows[-1], flush=True)
+    return rows
 
 
 def backend_sweep(device: torch.device, lengths, heads: int, head_dim: int, dtype: torch.dtype, backends) -> list:
@@ -101,8 +163,15 @@ def main() -> None:
     dtype = "float32" if args.smoke else "bfloat16"
     started = time.monotonic()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (smoke)"
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # a 1-rank group for the ring check
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     results = {"device": name, "torch": torch.__version__, "command": "python -m benchmarks.gpu"
                + (" --smoke" if args.smoke else ""),
+               "ring_check": ring_check(device, backends, getattr(torch, dtype), seq_len=lengths[0],
+                                        heads=heads, head_dim=head_dim),
                "sweep": backend_sweep(device, lengths, heads, head_dim, getattr(torch, dtype), backends),
                "calibration": calibrate(device, lengths, heads, head_dim, dtype)}
     results["seconds"] = time.monotonic() - started
@@ -111,7 +180,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [f"# GPU benchmark: {name}, torch {results['torch']}", "", f"Command: `{results['command']}` "
-             f"({results['seconds']:.0f} s)", "", "| backend | seq len | TFLOP/s |", "|---|---|---|"]
+             f"({results['seconds']:.0f} s)", "", "Ring check (1-rank group vs plain SDPA; max abs error vs float32):", "",
+             "| backend | compiled | out err (plain) | max grad err (plain) | ring / plain time |", "|---|---|---|---|---|"]
+    for r in results["ring_check"]:
+        if "skipped" in r:
+            lines.append(f"| {r['backend']} | - | skipped: {r['skipped']} | | |")
+            continue
+        lines.append(f"| {r['backend']} | {r['compiled']} | {r['out_err']:.2e} ({r['single_out_err']:.2e}) | "
+                     f"{max(r['grad_errs']):.2e} ({max(r['single_grad_errs']):.2e}) | {r['ring_over_plain']:.2f} |")
+    lines += ["", "| backend | seq len | TFLOP/s |", "|---|---|---|"]
     lines += [f"| {r['backend']} | {r['seq_len']} | {r.get('tflops', 0):.1f}{' ' + r['error'] if 'error' in r else ''} |"
               for r in results["sweep"]]
     lines += ["", "| seq len | measured peak MiB | predicted MiB | predicted/measured |", "|---|---|---|---|"]

@@ -6,8 +6,6 @@ import math
 import re
 from pathlib import Path
 
-README_START, README_END = "<!-- performance:start -->", "<!-- performance:end -->"
-
 
 def _best(oracle: dict, feasible_only: bool = True) -> str:
     rows = {k: r for k, r in oracle.items() if r["feasible"] or not feasible_only}
@@ -164,11 +162,19 @@ def _plots(results: dict, out: Path) -> list[Path]:
     return paths
 
 
-def _update_readme(results: dict, rows: list[dict], out: Path) -> None:
+def replace_readme_section(name: str, lines: list[str]) -> None:
+    """Rewrite README.md between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` with ``lines``."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     readme = Path("README.md")
+    body = "\n".join([start, "", *lines, "", end])
     text = readme.read_text()
-    body = "\n".join([README_START, "", f"Latest run: `{results['command']}` on {results['machine']}, "
-                      f"{results['date']} ({results.get('total_seconds', 0) / 60:.0f} min). Full tables and plots: "
-                      f"[{out}/results.md]({out}/results.md).", "", *summary_lines(results, rows), "", README_END])
-    new = re.sub(re.escape(README_START) + ".*?" + re.escape(README_END), lambda _: body, text, flags=re.S)
-    readme.write_text(new)
+    if start not in text:
+        raise SystemExit(f"README.md has no {start} ... {end} section to rewrite")
+    readme.write_text(re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: body, text, flags=re.S))
+
+
+def _update_readme(results: dict, rows: list[dict], out: Path) -> None:
+    replace_readme_section("performance", [
+        f"Latest run: `{results['command']}` on {results['machine']}, {results['date']} "
+        f"({results.get('total_seconds', 0) / 60:.0f} min). Full tables and plots: [{out}/results.md]({out}/results.md).",
+        "", *summary_lines(results, rows)])

@@ -300,7 +300,7 @@ def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torc
     with cp_options(rotate_method, load_balance and is_causal):
         dq, dk, dv = ring_backend(q.device.type, backend).backward(
             group, grad_out, q, k, v, out, saved, is_causal, scale)
-    return _fresh(dq), dk.clone(), dv.clone()  # dk and dv are views of one flat buffer
+    return _fresh(dq), dk.clone(), dv  # dk and dv are views of one flat buffer: outputs may not alias
 
 
 @_ring_attention_backward_op.register_fake
@@ -355,3 +355,54 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     out, _ = _ring_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), group.group_name, backend,
                                 is_causal, scale, rotate_method, load_balance)
     return out
+
+
+# --------------------------------------------------------------------------------------
+# PyTorch's own context_parallel, made to run on CPU for side-by-side benchmarks: torch's
+# DTensor dispatcher has ring handlers for the CUDA kernels only, so this adds one for the
+# CPU flash kernel (the same templated ring functions cptune uses) while the block runs.
+# --------------------------------------------------------------------------------------
+
+
+def _native_cpu_handler(op_call, args, kwargs):
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = next(a.device_mesh for a in [*args, *kwargs.values()] if isinstance(a, DTensor))
+    local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+    lkw = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+    group = mesh.get_group()
+    if op_call == aten._scaled_dot_product_flash_attention_for_cpu.default:
+        q, k, v, *rest = local
+        dropout_p = rest[0] if rest else lkw.pop("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else lkw.pop("is_causal", False)
+        results = _cp._templated_ring_attention(group, 2, op_call, query=q, key=k, value=v, is_causal=is_causal,
+                                                dropout_p=dropout_p, scale=lkw.get("scale"))[:2]
+    else:
+        grad_out, q, k, v, out, lse, dropout_p, is_causal = local[:8]
+        results = _cp._templated_ring_attention_backward(
+            group, 2, op_call, grad_out=grad_out, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
+            logsumexp=lse, is_causal=is_causal, dropout_p=dropout_p, scale=lkw.get("scale"))[:3]
+    return tuple(DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False) for t in results)
+
+
+@contextlib.contextmanager
+def torch_context_parallel(mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int],
+                           rotate_method: str) -> Iterator[None]:
+    """torch.distributed.tensor.experimental.context_parallel on CPU (benchmarks only)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import context_parallel
+
+    cp = _require_cp()
+    dispatcher = DTensor._op_dispatcher
+    old_rotate = cp._cp_options.rotate_method
+    cp.set_rotate_method(rotate_method)
+    handlers = {aten._scaled_dot_product_flash_attention_for_cpu.default: _native_cpu_handler,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _native_cpu_handler}
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims):
+            dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, **handlers}
+            yield
+    finally:
+        for op in handlers:
+            dispatcher._custom_op_handlers.pop(op, None)
+        cp._cp_options.rotate_method = old_rotate

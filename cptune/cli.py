@@ -151,12 +151,17 @@ def _size(n: int) -> str:
 @click.option("--node-rank", type=int, default=None, help="This node's rank (multi-node).")
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (multi-node).")
 def launch(recipe_path, script_and_args, dry_run, nnodes, node_rank, rdzv_endpoint) -> None:
-    """Run a training script with torchrun as RECIPE says:  cptune launch RECIPE [-- script.py args...]"""
+    """Run a training script with torchrun as RECIPE says:  cptune launch RECIPE [-- [script.py] args...]
+
+    After --, a first argument that starts with '-' begins the arguments of the recipe's own script.
+    """
     from .errors import Problem, ValidationError
     from .recipe import ENV_VAR, load_recipe
 
     recipe = load_recipe(recipe_path)
     script, args = (script_and_args[0], list(script_and_args[1:])) if script_and_args else (None, None)
+    if script is not None and script.startswith("-"):  # "-- --steps 3": arguments for the recipe's own script
+        script, args = None, list(script_and_args)
     argv = recipe.torchrun_args(script, args, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     script = script or recipe.launch.script
     if not Path(script).is_file():

@@ -18,6 +18,17 @@ def test_gpu_benchmark_smoke_on_cpu(tmp_path):
     assert [r["seq_len"] for r in results["sweep"]] == [256, 512] and all(r["tflops"] > 0 for r in results["sweep"])
     assert all(r["measured"] > 0 and r["predicted"] > 0 for r in results["calibration"])
     assert "| flash | 256 |" in (tmp_path / "results.md").read_text()
+    check = results["ring_check"]
+    assert [r["compiled"] for r in check] == [False, True]
+    assert all(r["out_err"] < 1e-4 and max(r["grad_errs"]) < 1e-3 for r in check), check
+
+
+def test_training_step_benchmark_runs_three_ways(ranks):
+    from benchmarks.training import training_step_on_rank
+
+    row = ranks(2).run(training_step_on_rank, 256, 1)[0]  # raises if the three ways' losses differ
+    assert set(row["median_s"]) == {"pytorch", "cptune_eager", "cptune_compiled"}
+    assert row["cptune_over_pytorch"] > 0 and row["compiled_over_eager"] > 0
 
 
 def test_report_ratios_and_search_cost():

@@ -46,3 +46,18 @@ def test_ring_on_two_gpus(backend, dtype):
         for r in group.run(_cuda_case, backend, dtype):
             for cp_err, single in zip(r["grads"], r["single_grads"]):
                 assert cp_err <= 2 * single + 1e-6, r
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_ring_through_one_rank_group_on_one_gpu(dtype):
+    """The CUDA ring backends and the custom op, eager and compiled, on a single GPU (< 5 min)."""
+    from tests.test_training import _one_rank_ring_case
+
+    with WorkerGroup(1, device="cuda", timeout=300) as group:
+        rows = group.run(_one_rank_ring_case, "cuda", ["flash", "efficient", "cudnn"], dtype)[0]
+    ran = [r for r in rows if "skipped" not in r]
+    assert ran, rows  # at least one CUDA backend serves this dtype
+    for r in ran:
+        assert r["out_err"] <= 2 * r["single_out_err"] + 1e-6, r
+        for cp_err, single in zip(r["grad_errs"], r["single_grad_errs"]):
+            assert cp_err <= 2 * single + 1e-5, r

@@ -207,26 +207,17 @@ def test_data_parallel_wrappers_compose(ranks, world, wrap, shape, micro, ac):
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, r
 
 
-def _one_rank_ring_case(device_type, backend, dtype_name, compiled):
-    """The ring forced through a 1-rank group on one device, against plain SDPA (the GPU check's core)."""
-    from cptune import _torch_cp
+def _one_rank_ring_case(device_type, backends, dtype_name):
+    """The GPU check's core (benchmarks.gpu.ring_check) on CPU: the ring through a 1-rank group."""
+    from benchmarks.gpu import ring_check
 
-    dtype = getattr(torch, dtype_name)
-    group = dist.new_group([dist.get_rank()])
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 256, 64, device=device_type, dtype=dtype, requires_grad=True) for _ in range(3))
-    ring = lambda q, k, v: _torch_cp.ring_attention(q, k, v, group, backend, True, None, "alltoall", False)  # noqa: E731
-    fn = torch.compile(ring, fullgraph=True) if compiled else ring
-    out = fn(q, k, v)
-    out.float().square().sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
-    ref.float().square().sum().backward()
-    return {"out": max_err(out, ref), "grads": [max_err(g, r.grad) for g, r in zip(grads, leaves)]}
+    group, _ = dist.new_subgroups(group_size=1)
+    return ring_check(torch.device(device_type), backends, getattr(torch, dtype_name), seq_len=256, heads=4,
+                      head_dim=32, group=group)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_ring_through_one_rank_group_cpu(ranks, compiled):
-    for r in ranks(2).run(_one_rank_ring_case, "cpu", "flash", "float32", compiled):
-        assert r["out"] <= TOL and max(r["grads"]) <= 1e-4, r
+def test_ring_through_one_rank_group_cpu(ranks):
+    rows = ranks(2).run(_one_rank_ring_case, "cpu", ["flash"], "float32")[0]
+    assert [r["compiled"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["out_err"] <= TOL and max(r["grad_errs"]) <= 1e-4, r
