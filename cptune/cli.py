@@ -78,7 +78,10 @@ def _init_torchrun() -> bool:
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
 @click.option("--nproc", type=int, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
-@click.option("--memory-budget", default=None, help="Per-rank budget, e.g. 70GiB (default: 90% of a GPU, or of RAM/nproc).")
+@click.option("--memory-budget", default=None, help="Per-rank budget with its unit, e.g. 70GiB or 512MiB "
+              "(default: 90% of a GPU, or of RAM/nproc).")
+@click.option("--memory-margin", type=float, default=0.05, show_default=True,
+              help="Safety share on top of each config's worst measured peak (allocator reserve, fragmentation).")
 @click.option("--storage", default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
 @click.option("--study-name", default=None, help="Default: derived from the workload and world size.")
 @click.option("--n-trials", type=int, default=None, help="Trials to run now (default: until every config is done).")
@@ -89,7 +92,8 @@ def _init_torchrun() -> bool:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, nproc, device, memory_budget, storage,
+def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, nproc, device,
+           memory_budget, memory_margin, storage,
            study_name, n_trials, timeout, trial_timeout, sampler, min_seconds, out, script, as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
 
@@ -113,7 +117,8 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if is_rank0:
         click.echo(f"cptune search: {workload.describe()}", err=True)
-    result = run_search(workload, nproc=nproc, device=device, memory_budget=memory_budget, storage=storage,
+    result = run_search(workload, nproc=nproc, device=device, memory_budget=memory_budget,
+                        memory_margin=memory_margin, storage=storage,
                         study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
                         sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
     if result is None:  # a torchrun rank other than 0
@@ -195,7 +200,9 @@ def show(recipe_path, as_json) -> None:
                f"script {recipe.launch.script or '(give one after --)'}")
     click.echo("measured : " + (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
                                  f"{', '.join(_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
-                                 f"{_size(m.memory_budget)})" if m.measured else "no (not measured)")
+                                 f"{_size(m.memory_budget)}" + (f", headroom {m.headroom:.0%}" if m.headroom
+                                                                is not None else "") + ")"
+                                 if m.measured else "no (not measured)")
                + (f", compile {m.compile_s:.1f}s (not in tokens/s)" if m.compile_s is not None else ""))
     click.echo(f"from     : {p.device_count} x {p.device} ({p.backend}), torch {p.torch_version}, cptune "
                f"{p.cptune_version}, {p.date}, study {p.study_name} ({p.n_trials} trials)")

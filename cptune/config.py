@@ -132,9 +132,11 @@ class CPConfig(StrictModel):
         return causal if self.load_balance == "auto" else bool(self.load_balance)
 
     def label(self) -> str:
-        """A short human-readable name, e.g. 'dp1·cp2 alltoall lb flash'."""
+        """A short human-readable name, e.g. 'dp1·cp2 alltoall lb flash', or 'dp2·cp1 flash' without CP."""
         dp, cp = self.mesh_shape or (1, -1)
         backend = "+".join(self.sdpa_backend) if self.sdpa_backend else "default"
+        if cp == 1:  # no ring: rotate method and load balancing do not apply
+            return f"dp{dp}·cp1 {backend}"
         lb = {True: "lb", False: "no-lb", "auto": "lb-auto"}[self.load_balance]
         return f"dp{dp}·cp{cp if cp > 0 else 'N'} {self.rotate_method} {lb} {backend}"
 

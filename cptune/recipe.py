@@ -62,6 +62,10 @@ class Metrics(StrictModel):
     step_time_s: float | None = None
     peak_bytes_per_rank: list[int] | None = None
     memory_budget: int | None = None
+    memory_margin: float | None = None
+    """The safety margin feasibility was judged with: worst peak x (1 + margin) <= budget."""
+    headroom: float | None = None
+    """(budget - worst peak per rank) / budget."""
     compile_s: float | None = None
     """torch.compile time of the first step (workload.compile), kept out of tokens_per_s."""
     note: str = ""
@@ -207,7 +211,7 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
                               n_trials=len(result.trials), command=command_line()),
         metrics=Metrics(measured=True, tokens_per_s=best.tokens_per_s, step_time_s=best.step_time_s,
                         peak_bytes_per_rank=best.peak_per_rank, memory_budget=result.memory_budget,
-                        compile_s=best.compile_s,
+                        compile_s=best.compile_s, memory_margin=result.memory_margin, headroom=best.headroom,
                         note=f"best of {len(result.trials)} trials; "
                              f"{sum(r.state == 'ok' for r in result.trials)} feasible"),
     )

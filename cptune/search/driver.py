@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -11,11 +13,11 @@ from typing import Any
 import optuna
 import torch.distributed as dist
 
-from ..errors import Problem, ValidationError
+from ..errors import Problem, ValidationError, raise_if
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator, TrialFailed
 from .measure import MeasureSettings, measure_on_rank, summarize
 from .memory import PRUNE_FACTOR, default_budget, format_size, parse_size, predict_peak
-from .result import SearchResult, TrialRecord, record_from
+from .result import INTERRUPTED, SearchResult, TrialRecord, record_from
 from .space import axes, config_from, config_key, invalid_reason, mesh_shapes
 from .workload import Workload
 
@@ -39,55 +41,111 @@ def get_storage(storage: None | str | optuna.storages.BaseStorage) -> optuna.sto
                                        "give a URL like sqlite:///cptune.db or postgresql://user@host/db")]) from None
 
 
-def default_study_name(workload: Workload, world_size: int, device_type: str) -> str:
+def environment(device_type: str, world_size: int, nproc_per_node: int) -> dict[str, Any]:
+    """Where a study's figures come from: measurements from two environments are never ranked together."""
+    import torch
+
+    from .. import __version__
+    from .measure import device_name
+
+    return {"torch": torch.__version__, "cptune": __version__, "device_type": device_type,
+            "device_name": device_name(device_type), "nproc_per_node": nproc_per_node,
+            "nnodes": max(1, world_size // max(1, nproc_per_node))}
+
+
+def _question(workload: Workload, settings: MeasureSettings, env: dict[str, Any]) -> dict[str, Any]:
+    return {"workload": workload.model_dump(mode="json"), "settings": settings.model_dump(mode="json"),
+            "environment": env}
+
+
+def default_study_name(workload: Workload, world_size: int, device_type: str,
+                       settings: MeasureSettings | None = None, env: dict[str, Any] | None = None) -> str:
+    """Readable, plus a short hash of everything that changes the answer: the whole workload,
+    the measurement settings and the environment (torch, cptune, device, ranks per node, nodes)."""
     kv = f"-kv{workload.kv_heads}" if workload.kv_heads else ""
     step = f"-{workload.step.replace(':', '.')}" if workload.step else ""
     step += ("-compiled" if workload.compile else "") + (f"-ac{workload.ac}" if workload.ac != "none" else "")
+    layers = f"-L{workload.layers}" if workload.layers != 1 else ""
+    env = env or environment(device_type, world_size, world_size)
+    digest = hashlib.sha256(json.dumps(_question(workload, settings or MeasureSettings(), env),
+                                       sort_keys=True).encode()).hexdigest()[:8]
     return (f"cptune-{device_type}{world_size}-S{workload.seq_len}-B{workload.batch}-H{workload.heads}{kv}"
-            f"-D{workload.head_dim}-{workload.dtype}-{'causal' if workload.causal else 'full'}{step}")
+            f"-D{workload.head_dim}{layers}-{workload.dtype}-{'causal' if workload.causal else 'full'}{step}-{digest}")
 
 
-def _open_study(storage, name: str, workload: Workload, world: int, device: str, budget: int,
+def _open_study(storage, name: str, question: dict[str, Any], world: int, device: str, budget: int,
                 seed: int | None) -> optuna.Study:
     # Exhaustive search enqueues every open configuration in turn; TPE (with the memory
     # constraint) proposes the rest when the space is large.
     chosen = optuna.samplers.TPESampler(seed=seed)  # reads each trial's "memory" constraint
     study = optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=chosen,
                                 load_if_exists=True)
-    stored = study.user_attrs.get("workload")
-    if stored is None:
-        study.set_user_attr("workload", workload.model_dump(mode="json"))
+    attrs = study.user_attrs
+    if attrs.get("workload") is None:
+        for key, value in question.items():
+            study.set_user_attr(key, value)
         study.set_user_attr("world_size", world)
         study.set_user_attr("device", device)
-    elif stored != workload.model_dump(mode="json") or study.user_attrs.get("world_size") != world:
-        raise ValidationError([Problem("--study-name", f"study {name!r} was made for another workload or world "
-                                       f"size ({stored}, world {study.user_attrs.get('world_size')})",
-                                       "use a new --study-name, or the workload and --nproc the study was made for")])
+    else:
+        changes = [f"{field} {old!r} -> {new!r}" for part in ("workload", "settings", "environment")
+                   for field, old, new in _changed(attrs.get(part) or {}, question[part])]
+        if attrs.get("world_size") != world:
+            changes.append(f"world size {attrs.get('world_size')} -> {world}")
+        if changes:
+            raise ValidationError([Problem("--study-name", f"study {name!r} was measured for another question "
+                                           f"({'; '.join(changes)})", "leave --study-name out (each question "
+                                           "gets its own study), or give a new name")])
     study.set_user_attr("memory_budget", budget)
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         # One driver per study at a time: a trial still RUNNING was left by a driver that died.
-        study._storage.set_trial_user_attr(t._trial_id, "reason", "the search stopped during this trial")
+        study._storage.set_trial_user_attr(t._trial_id, "reason", INTERRUPTED)
         study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
     return study
 
 
-def _finished(study: optuna.Study) -> dict[str, optuna.trial.FrozenTrial]:
-    done = {}
+def _changed(stored: dict, now: dict) -> list[tuple[str, Any, Any]]:
+    return [(k, stored.get(k), now.get(k)) for k in sorted(set(stored) | set(now)) if stored.get(k) != now.get(k)]
+
+
+_PREFERENCE = {optuna.trial.TrialState.COMPLETE: 2, optuna.trial.TrialState.FAIL: 1,
+               optuna.trial.TrialState.PRUNED: 0}
+
+
+def _finished(study: optuna.Study, budget: int | None = None) -> dict[str, optuna.trial.FrozenTrial]:
+    """The trial that answers each configuration today, by config key.
+
+    Not answered (so run again): a trial interrupted by a stopped search, and one ruled out by
+    its predicted peak under an earlier, tighter budget that the current ``budget`` admits.
+    Of several, a measurement wins over a failure over a ruling-out, and the latest wins.
+    """
+    done: dict[str, optuna.trial.FrozenTrial] = {}
     for t in study.get_trials(deepcopy=False):
-        if t.state.is_finished() and "key" in t.user_attrs and "duplicate_of" not in t.user_attrs:
-            done.setdefault(t.user_attrs["key"], t)
+        a = t.user_attrs
+        if not t.state.is_finished() or "key" not in a or "duplicate_of" in a:
+            continue
+        if t.state == optuna.trial.TrialState.FAIL and a.get("reason") == INTERRUPTED:
+            continue
+        predicted = a.get("predicted_bytes")
+        if (budget is not None and t.state == optuna.trial.TrialState.PRUNED and predicted is not None
+                and predicted <= PRUNE_FACTOR * budget):
+            continue
+        previous = done.get(a["key"])
+        if previous is None or (_PREFERENCE[t.state], t.number) > (_PREFERENCE[previous.state], previous.number):
+            done[a["key"]] = t
     return done
 
 
 def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_name: str | None,
                 n_trials: int | None, timeout: float | None, sampler: str, seed: int | None,
-                settings: MeasureSettings, progress: Progress | None, confirm: bool = True) -> SearchResult:
+                settings: MeasureSettings, progress: Progress | None, confirm: bool = True,
+                margin: float = 0.0) -> SearchResult:
     world, device = evaluator.world_size, evaluator.device_type
     storage_obj = get_storage(storage)
-    name = study_name or default_study_name(workload, world, device)
-    study = _open_study(storage_obj, name, workload, world, device, budget, seed)
+    env = environment(device, world, evaluator.nproc_per_node)
+    name = study_name or default_study_name(workload, world, device, settings, env)
+    study = _open_study(storage_obj, name, _question(workload, settings, env), world, device, budget, seed)
     ax = axes(workload, world, device)
-    done = _finished(study)
+    done = _finished(study, budget)
     open_points: dict[str, dict] = {}  # one parameter set per distinct configuration, in search order
     for p in itertools.product(*ax.as_dict().values()):
         params = dict(zip(ax.as_dict(), p))
@@ -123,14 +181,14 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             continue
         duplicates = 0
-        frozen = _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device)
+        frozen = _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin)
         done[key] = frozen
         evaluated += 1
         if progress is not None:
-            progress(record_from(frozen), len(set(done) & wanted), len(wanted))
+            progress(record_from(frozen, budget, margin), len(set(done) & wanted), len(wanted))
     if evaluated and not workload.step and confirm:
-        _confirm_close_call(evaluator, study, workload, settings, baseline)
-    trials = [record_from(t) for t in _finished(study).values()]
+        _confirm_close_call(evaluator, study, workload, settings, baseline, budget, margin)
+    trials = [record_from(t, budget, margin) for t in _finished(study, budget).values()]
     confirmations = study.user_attrs.get("confirmations", {})
     for r in trials:
         extra = confirmations.get(config_key(r.config), [])
@@ -140,16 +198,17 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
     return SearchResult(study_name=name, storage=storage if isinstance(storage, str) else
                         DEFAULT_STORAGE if storage is None else type(storage).__name__, workload=workload, world_size=world, device=device,
                         nproc_per_node=evaluator.nproc_per_node, memory_budget=budget, trials=trials,
-                        evaluated_now=evaluated, complete=not (wanted - set(done)))
+                        evaluated_now=evaluated, complete=not (wanted - set(done)), memory_margin=margin)
 
 
-def _confirm_close_call(evaluator, study, workload, settings, baseline: int) -> None:
+def _confirm_close_call(evaluator, study, workload, settings, baseline: int, budget: int, margin: float) -> None:
     """If the two fastest feasible configs are within CONFIRM_MARGIN, measure each once more.
 
     One noisy measurement should not decide between near-equals; the pooled median does.
     The extra figures live in the study's "confirmations" attribute (finished trials are final).
     """
-    ok = sorted((record_from(t) for t in _finished(study).values()), key=lambda r: -(r.tokens_per_s or 0))
+    ok = sorted((record_from(t, budget, margin) for t in _finished(study, budget).values()),
+                key=lambda r: -(r.tokens_per_s or 0))
     ok = [r for r in ok if r.state == "ok"]
     if len(ok) < 2 or ok[1].tokens_per_s < (1 - CONFIRM_MARGIN) * ok[0].tokens_per_s:
         return
@@ -167,7 +226,7 @@ def _frozen(study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTria
     return study._storage.get_trial(trial._trial_id)  # the trial just told, as stored
 
 
-def _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device):
+def _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin=0.0):
     """Run (or rule out) one trial and tell Optuna; returns the frozen trial."""
     state = optuna.trial.TrialState
     reason = invalid_reason(workload, config, device)
@@ -197,17 +256,53 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
         study.tell(trial, state=state.FAIL)
         return _frozen(study, trial)
     summary = summarize(per_rank, workload, config, baseline)
-    feasible = summary["peak_bytes"] <= budget
+    feasible = summary["peak_bytes"] * (1 + margin) <= budget  # worst rank, whole trial, plus the margin
     for k, v in summary.items():
         trial.set_user_attr(k, v)
     trial.set_user_attr("feasible", feasible)
     trial.set_user_attr("excess", float(summary["peak_bytes"] - budget) / budget)
     trial.set_constraint("memory", float(summary["peak_bytes"] - budget) / budget)
     if not feasible:
-        trial.set_user_attr("reason", f"measured peak {format_size(summary['peak_bytes'])} > budget "
-                                      f"{format_size(budget)}")
+        trial.set_user_attr("reason", f"measured peak {format_size(summary['peak_bytes'])} + {margin:.0%} margin "
+                                      f"> budget {format_size(budget)}")
     study.tell(trial, summary["tokens_per_s"])
     return _frozen(study, trial)
+
+
+DEFAULT_MARGIN = 0.05
+"""A config is feasible when its worst measured peak plus this share fits the budget."""
+
+
+def _option_problems(n_trials, timeout, trial_timeout, margin, nproc) -> list[Problem]:
+    problems = []
+    if n_trials is not None and n_trials < 1:
+        problems.append(Problem("--n-trials", f"is {n_trials}", "give 1 or more, or leave it out to run every config"))
+    if timeout is not None and not timeout > 0:
+        problems.append(Problem("--timeout", f"is {timeout}", "give a positive number of seconds, or leave it out"))
+    if not trial_timeout > 0:
+        problems.append(Problem("--trial-timeout", f"is {trial_timeout}", "give a positive number of seconds "
+                                "(default 300)"))
+    if not 0 <= margin < 1:
+        problems.append(Problem("--memory-margin", f"is {margin}", "give a share in [0, 1), e.g. 0.05 for 5 %"))
+    if nproc is not None and nproc < 1:
+        problems.append(Problem("--nproc", f"is {nproc}", "use --nproc 1 or more"))
+    return problems
+
+
+def _check_user_step(workload: Workload) -> None:
+    """Import --workload once, here, before any rank starts, and check it takes (workload, device)."""
+    import inspect
+
+    from .workload import load_user_step
+
+    fn = load_user_step(workload.step)
+    try:
+        inspect.signature(fn).bind(workload, "cpu")
+    except TypeError:
+        raise ValidationError([Problem("--workload", f"{workload.step} cannot be called as fn(workload, device)",
+                                       "define it as def fn(workload, device) -> (step, buffers, seq_dims)")]) from None
+    except ValueError:  # no signature to read (a builtin): let the ranks find out
+        pass
 
 
 def search(
@@ -215,6 +310,7 @@ def search(
     *,
     nproc: int | None = None,
     memory_budget: str | int | None = None,
+    memory_margin: float = DEFAULT_MARGIN,
     storage: None | str | optuna.storages.BaseStorage = None,
     study_name: str | None = None,
     n_trials: int | None = None,
@@ -234,29 +330,47 @@ def search(
     ``device='cuda'``) and drives the study from this process. With ``confirm``, a close call
     between the two fastest feasible configs is measured once more before choosing. Inside a torchrun job (the
     process group already initialized), every rank must call it: rank 0 drives and gets the
-    result, the other ranks serve trials and get None.
+    result, the other ranks serve trials and get None. Every option is checked, and a
+    ``--workload`` step imported, before any rank starts. A config is feasible when its worst
+    peak (over ranks and repeats) plus ``memory_margin`` fits ``memory_budget``; a resumed study
+    is judged against the budget of this call.
     """
     workload = workload if isinstance(workload, Workload) else Workload(**(workload or {}))
     settings = settings or MeasureSettings()
+    problems = _option_problems(n_trials, timeout, trial_timeout, memory_margin, nproc)
     if sampler not in ("auto", "grid", "tpe"):
-        raise ValidationError([Problem("sampler", f"unknown sampler {sampler!r}", "use 'auto', 'grid' or 'tpe'")])
+        problems.append(Problem("sampler", f"unknown sampler {sampler!r}", "use 'auto', 'grid' or 'tpe'"))
+    if memory_budget is not None:
+        try:
+            parse_size(memory_budget)
+        except ValidationError as exc:
+            problems += exc.problems
+    if not dist.is_initialized():
+        device = device or "cpu"
+        if device not in ("cpu", "cuda"):
+            problems.append(Problem("--device", f"unknown device {device!r}", "use cpu or cuda"))
+        elif device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                problems.append(Problem("--device", "is cuda but this machine has no usable CUDA GPU",
+                                        "use --device cpu, or run on a GPU machine with a CUDA build of torch"))
+    raise_if(problems)
+    if workload.step:
+        _check_user_step(workload)
     kwargs: dict[str, Any] = dict(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
-                                  sampler=sampler, seed=seed, settings=settings, progress=progress, confirm=confirm)
+                                  sampler=sampler, seed=seed, settings=settings, progress=progress, confirm=confirm,
+                                  margin=memory_margin)
     if dist.is_initialized():
         evaluator = SPMDEvaluator(trial_timeout, measure)
         if dist.get_rank() != 0:
             evaluator.follow()
             return None
     else:
-        device = device or "cpu"
-        if device not in ("cpu", "cuda"):
-            raise ValidationError([Problem("--device", f"unknown device {device!r}", "use cpu or cuda")])
         if nproc is None:
             import torch
 
             nproc = torch.cuda.device_count() if device == "cuda" else 2
-        if nproc < 1:
-            raise ValidationError([Problem("--nproc", f"{nproc} ranks", "use --nproc 1 or more")])
         evaluator = LocalEvaluator(nproc, device, trial_timeout, measure)
     try:
         budget = parse_size(memory_budget) if memory_budget is not None else \
@@ -266,4 +380,4 @@ def search(
         evaluator.close()
 
 
-__all__ = ["search", "get_storage", "default_study_name"]
+__all__ = ["search", "get_storage", "default_study_name", "environment", "DEFAULT_MARGIN"]

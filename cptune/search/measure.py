@@ -27,6 +27,22 @@ class MeasureSettings(StrictModel):
     min_seconds: float = Field(1.0, ge=0, json_schema_extra={"fix": "use a non-negative time"})
 
 
+def device_name(device_type: str) -> str:
+    """The GPU's name, or the CPU model: what a study's figures were measured on."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def rank_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

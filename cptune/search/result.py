@@ -8,7 +8,7 @@ from typing import Any
 import optuna
 
 from ..config import CPConfig
-from .memory import format_size
+from .memory import PRUNE_FACTOR, format_size
 from .workload import Workload
 
 
@@ -26,6 +26,7 @@ class TrialRecord:
     reason: str = ""
     measurements: int = 1  # tokens_per_s is the median of this many measurements
     compile_s: float | None = None  # torch.compile time of the first step, kept out of tokens_per_s
+    headroom: float | None = None  # (budget - worst peak) / budget, for the current budget
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -34,23 +35,41 @@ class TrialRecord:
         return d
 
 
-def record_from(t: optuna.trial.FrozenTrial) -> TrialRecord:
+INTERRUPTED = "the search stopped during this trial"
+
+
+def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: float = 0.0) -> TrialRecord:
+    """A finished trial, judged against ``budget`` (the current run's; None: as stored when it ran).
+
+    A measured trial is feasible when its worst peak over ranks and repeats, plus ``margin``,
+    fits the budget; one ruled out by its predicted peak says so against today's budget.
+    """
     a = t.user_attrs
     reason = a.get("reason", "")
+    feasible = a.get("feasible")
+    peak = a.get("peak_bytes")
+    if t.state == optuna.trial.TrialState.COMPLETE and budget is not None and peak is not None:
+        feasible = peak * (1 + margin) <= budget
+        reason = "" if feasible else (f"measured peak {format_size(peak)}" + (f" + {margin:.0%} margin" if margin
+                                      else "") + f" > budget {format_size(budget)}")
     if t.state == optuna.trial.TrialState.COMPLETE:
-        state = "ok" if a.get("feasible") else "infeasible"
+        state = "ok" if feasible else "infeasible"
     elif reason.startswith("invalid"):
         state = "invalid"
     elif t.state == optuna.trial.TrialState.PRUNED:
         state = "infeasible"
+        if budget is not None and a.get("predicted_bytes") is not None:
+            reason = (f"predicted peak {format_size(a['predicted_bytes'])} > {PRUNE_FACTOR} x budget "
+                      f"{format_size(budget)}; not run")
     else:
         state = "failed"
         reason = reason or f"trial ended {t.state.name.lower()} without a reason (driver stopped?)"
+    headroom = (budget - peak) / budget if budget and peak is not None else None
     return TrialRecord(number=t.number, config=CPConfig(**a["config"]), state=state,
                        tokens_per_s=t.value if t.state == optuna.trial.TrialState.COMPLETE else None,
-                       step_time_s=a.get("step_time_s"), peak_bytes=a.get("peak_bytes"),
-                       predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"), feasible=a.get("feasible"), reason=reason,
-                       compile_s=a.get("compile_s"))
+                       step_time_s=a.get("step_time_s"), peak_bytes=peak,
+                       predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"),
+                       feasible=feasible, reason=reason, compile_s=a.get("compile_s"), headroom=headroom)
 
 
 @dataclass
@@ -63,6 +82,7 @@ class SearchResult:
     nproc_per_node: int
     memory_budget: int
     trials: list[TrialRecord] = field(default_factory=list)
+    memory_margin: float = 0.0
     evaluated_now: int = 0
     complete: bool = False
 
@@ -82,19 +102,30 @@ class SearchResult:
         if not self.trials:
             return "no trial ran (raise --n-trials or --timeout)"
         lines = [f"  {r.config.label()}: {r.state} ({r.reason})" for r in self.ranked]
-        return "no configuration fits the memory budget " + format_size(self.memory_budget) + ":\n" + "\n".join(lines)
+        states = {r.state for r in self.trials}
+        if states == {"invalid"}:
+            head = f"no configuration is valid for {self.workload.describe()} on {self.world_size} ranks"
+        elif states <= {"failed", "invalid"}:
+            head = "every configuration that ran failed (see each reason below)"
+        elif "infeasible" in states:
+            margin = f" with a {self.memory_margin:.0%} margin" if self.memory_margin else ""
+            head = f"no configuration fits the memory budget {format_size(self.memory_budget)}{margin}"
+        else:
+            head = "no configuration finished yet (raise --n-trials or --timeout)"
+        return head + ":\n" + "\n".join(lines)
 
     def table(self) -> str:
         compiled = self.workload.compile
         extra = f" {'compile':>8}" if compiled else ""
-        head = (f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'peak':>10} {'predicted':>10}{extra}  "
+        head = (f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'peak':>10} {'headroom':>8} {'predicted':>10}{extra}  "
                 f"{'feasible':<8} reason")
         lines = [head, "-" * len(head)]
         for r in self.ranked:
             tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
             feasible = {True: "yes", False: "no", None: "-"}[r.feasible]
             comp = (f" {r.compile_s:>7.1f}s" if r.compile_s is not None else f" {'-':>8}") if compiled else ""
-            lines.append(f"{r.number:>3}  {r.config.label():<34} {tps:>10} {format_size(r.peak_bytes):>10} "
+            room = f"{r.headroom:.0%}" if r.headroom is not None else "-"
+            lines.append(f"{r.number:>3}  {r.config.label():<34} {tps:>10} {format_size(r.peak_bytes):>10} {room:>8} "
                          f"{format_size(r.predicted_bytes):>10}{comp}  {feasible:<8} {r.reason}")
         return "\n".join(lines)
 
@@ -103,6 +134,7 @@ class SearchResult:
         return {
             "study_name": self.study_name, "storage": self.storage, "workload": self.workload.model_dump(mode="json"),
             "world_size": self.world_size, "device": self.device, "memory_budget": self.memory_budget,
+            "memory_budget_unit": "bytes", "memory_margin": self.memory_margin,
             "evaluated_now": self.evaluated_now, "complete": self.complete,
             "best": best.to_dict() if best else None, "trials": [r.to_dict() for r in self.ranked],
         }
