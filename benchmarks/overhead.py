@@ -13,6 +13,22 @@ import cptune
 from cptune import _torch_cp
 
 
+def interleaved_medians(ways: dict, repeats: int, before=None) -> dict[str, float]:
+    """Median seconds per way, the ways interleaved; each time is the slowest rank's. Collective."""
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(repeats):
+        for name, fn in ways.items():
+            if before is not None:
+                before()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            elapsed = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(elapsed.item())
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def overhead_on_rank(seq_len: int, repeats: int) -> dict:
     """Median step times (fwd + bwd, cp = world, alltoall, load balanced) three ways, interleaved."""
     world = dist.get_world_size()
@@ -36,17 +52,8 @@ def overhead_on_rank(seq_len: int, repeats: int) -> dict:
             F.scaled_dot_product_attention(*local, is_causal=True).backward(grad)
 
     ways = {"bare": bare, "wrapped": wrapped, "wrapped_with_buffers": wrapped_with_buffers}
-    times: dict[str, list[float]] = {k: [] for k in ways}
     for fn in ways.values():
         fn()  # warm-up
-    for _ in range(repeats):
-        for name, fn in ways.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            elapsed = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(ways, repeats)
     return {"seq_len": seq_len, "repeats": repeats, "wrapped_over_bare": med["wrapped"] / med["bare"],
             "with_buffers_over_bare": med["wrapped_with_buffers"] / med["bare"]}

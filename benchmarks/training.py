@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from .overhead import interleaved_medians
 
 NPROC = 2
 
@@ -63,29 +64,23 @@ def training_step_on_rank(seq_len: int, repeats: int) -> dict:
         with cptune.context_parallel(buffers=model_batch, seq_dims=[1, 1, 1], mesh=mesh, config=config):
             return step(compiled)
 
+    def fresh() -> None:  # each step shards a fresh copy of the batch in place
+        model_batch[:] = [t.clone() for t in batch]
+        eager.zero_grad(set_to_none=True)
+        compiled.zero_grad(set_to_none=True)
+
     ways = {"pytorch": pytorch, "cptune_eager": cptune_eager, "cptune_compiled": cptune_compiled}
-    losses, times = {}, {k: [] for k in ways}
+    losses, model_batch = {}, []
     compile_s = 0.0
     for name, fn in ways.items():  # warm-up (compiles), and the same loss three ways
-        model_batch = [t.clone() for t in batch]
+        fresh()
         t0 = time.perf_counter()
         losses[name] = fn().item()
         if name == "cptune_compiled":
             compile_s = time.perf_counter() - t0
     if max(losses.values()) - min(losses.values()) > 1e-5:
         raise RuntimeError(f"the three ways disagree on the loss: {losses}")
-    for _ in range(repeats):
-        for name, fn in ways.items():
-            model_batch = [t.clone() for t in batch]
-            eager.zero_grad(set_to_none=True)
-            compiled.zero_grad(set_to_none=True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            elapsed = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians(ways, repeats, before=fresh)
     return {"seq_len": seq_len, "repeats": repeats, "losses": losses, "median_s": med,
             "cptune_over_pytorch": med["cptune_eager"] / med["pytorch"],
             "compiled_over_eager": med["cptune_compiled"] / med["cptune_eager"],

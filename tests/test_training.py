@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import cptune
 from tests._helpers import max_err

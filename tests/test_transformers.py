@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cptune
 
 transformers = pytest.importorskip("transformers")
 
