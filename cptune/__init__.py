@@ -18,7 +18,7 @@ Main API:
 from ._loss import shift_labels
 from ._torch_cp import RING_ATTENTION_OPS
 from .config import CPConfig
-from .context import CPTuneWarning, context_parallel, num_items_in_batch, unshard
+from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, unshard
 from .errors import CPTuneError, Problem, ValidationError
 from .recipe import Recipe, load_recipe, save_recipe
 from .search import SearchResult, Workload, search
@@ -38,6 +38,7 @@ __all__ = [
     "context_parallel",
     "load_recipe",
     "num_items_in_batch",
+    "replica_rows",
     "save_recipe",
     "search",
     "shift_labels",

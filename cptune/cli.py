@@ -33,16 +33,27 @@ def main() -> None:
 
 
 def _progress():
+    import time
+
+    started = time.monotonic()
+
     def show(record, done: int, total: int) -> None:
+        from .search.memory import format_size
+
         width = 20
         filled = int(width * done / max(total, 1))
         tps = f"{record.tokens_per_s:>10,.0f} tok/s" if record.tokens_per_s else " " * 16
-        from .search.memory import format_size
-
+        elapsed = time.monotonic() - started
+        left = f", ~{_duration(elapsed / done * (total - done))} left" if 0 < done < total else ""
         peak = f"peak {format_size(record.peak_bytes)}" if record.peak_bytes else ""
-        click.echo(f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {record.config.label():<32} {tps} "
-                   f"{peak:<16} {record.state}{': ' + record.reason if record.reason else ''}", err=True)
+        click.echo(f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {_duration(elapsed)} elapsed{left} "
+                   f"{record.config.label():<32} {tps} {peak:<16} {record.state}"
+                   f"{': ' + record.reason if record.reason else ''}", err=True)
     return show
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f}s" if seconds < 90 else f"{seconds / 60:.0f}m" if seconds < 5400 else f"{seconds / 3600:.1f}h"
 
 
 def _init_torchrun() -> bool:
@@ -130,11 +141,14 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
                    f"{result.world_size} ranks on {result.device}, budget per rank "
                    f"{_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
         click.echo(result.table())
+        click.echo(f"({result.LEGEND})")
     best = result.best
     if best is None:
         raise CPTuneError(result.why_nothing())
     if not as_json:
         click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
+        if result.dp_only_note():
+            click.echo(f"note: {result.dp_only_note()}")
     if not result.complete:
         click.echo("note: not every configuration was tried; rerun the same command to continue", err=True)
     if out:
@@ -148,37 +162,70 @@ def _size(n: int) -> str:
     return format_size(n)
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+class _SplitAtDashes(click.Command):
+    """Keeps what follows the first ``--`` apart: the script's own arguments, never parsed here."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if "--" in args:
+            cut = args.index("--")
+            args, ctx.meta["after_dashes"] = args[:cut], args[cut + 1:]
+        return super().parse_args(ctx, args)
+
+
+@main.command(cls=_SplitAtDashes, context_settings={"ignore_unknown_options": True})
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path())
-@click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED)
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command instead of running it.")
 @click.option("--nnodes", type=int, default=None, help="Override the recipe's node count.")
 @click.option("--node-rank", type=int, default=None, help="This node's rank (multi-node).")
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (multi-node).")
-def launch(recipe_path, script_and_args, dry_run, nnodes, node_rank, rdzv_endpoint) -> None:
-    """Run a training script with torchrun as RECIPE says:  cptune launch RECIPE [-- [script.py] args...]
+def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> None:
+    """Run the recipe's training script with torchrun, as RECIPE says.
 
-    After --, a first argument that starts with '-' begins the arguments of the recipe's own script.
+    \b
+    cptune launch RECIPE [section.field=value ...] [torchrun options] [-- [script.py] script args]
+    cptune launch recipes/x.yaml --max-restarts 3 -- --steps 20
+    cptune launch recipes/x.yaml config.rotate_method=alltoall -- examples/train_llama_cp.py --compile
+
+    Overrides change the recipe for this run only (it is then marked unmeasured); other options
+    go to torchrun; after --, a first argument ending in .py is the script, the rest its arguments.
     """
     from .errors import Problem, ValidationError
-    from .recipe import ENV_VAR, load_recipe
+    from .recipe import ENV_VAR, load_recipe, save_recipe
 
+    after = click.get_current_context().meta.get("after_dashes", [])
+    overrides = [x for x in extra if "=" in x and not x.startswith("-")]
+    options = [x for x in extra if x not in overrides]
+    stray = [x for i, x in enumerate(options) if not x.startswith("-") and (i == 0 or not options[i - 1].startswith("-"))]
+    if stray:
+        raise ValidationError([Problem("launch", f"{stray[0]!r} is neither an override nor a torchrun option",
+                                       "put the script and its arguments after --: cptune launch RECIPE -- "
+                                       "train.py ARGS")])
     recipe = load_recipe(recipe_path)
-    script, args = (script_and_args[0], list(script_and_args[1:])) if script_and_args else (None, None)
-    if script is not None and script.startswith("-"):  # "-- --steps 3": arguments for the recipe's own script
-        script, args = None, list(script_and_args)
-    argv = recipe.torchrun_args(script, args, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
-    script = script or recipe.launch.script
+    script, args = (after[0], after[1:]) if after and after[0].endswith(".py") else (None, after or None)
+    patched = recipe.with_overrides(overrides)
+    argv = patched.torchrun_args(script, args, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                                 torchrun_options=options)
+    script = script or patched.launch.script
     if not Path(script).is_file():
         raise ValidationError([Problem("script", f"{script!r} does not exist",
                                        "give the path of the training script after --")])
     recipe_abs = str(Path(recipe_path).resolve())
+    if overrides:
+        click.echo(f"cptune launch: {patched.metrics.note}", err=True)
+        recipe_abs = str(save_recipe(patched, Path(_launch_dir()) / Path(recipe_path).name))
     if dry_run:
         click.echo(shlex.join([f"{ENV_VAR}={recipe_abs}", *argv]))
         return
     env = {**os.environ, ENV_VAR: recipe_abs}
     code = subprocess.call([sys.executable, "-m", "torch.distributed.run", *argv[1:]], env=env)
     sys.exit(code)
+
+
+def _launch_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="cptune-launch-")
 
 
 @main.command()
@@ -202,7 +249,9 @@ def show(recipe_path, as_json) -> None:
                                  f"{', '.join(_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
                                  f"{_size(m.memory_budget)}" + (f", headroom {m.headroom:.0%}" if m.headroom
                                                                 is not None else "") + ")"
-                                 if m.measured else "no (not measured)")
+                                 if recipe.figures_apply else "no: edited after measuring, the figures are for "
+                                 "another configuration (re-run cptune search)" if recipe.edited else
+                                 f"no (not measured{': ' + m.note if m.note else ''})")
                + (f", compile {m.compile_s:.1f}s (not in tokens/s)" if m.compile_s is not None else ""))
     click.echo(f"from     : {p.device_count} x {p.device} ({p.backend}), torch {p.torch_version}, cptune "
                f"{p.cptune_version}, {p.date}, study {p.study_name} ({p.n_trials} trials)")
@@ -211,12 +260,17 @@ def show(recipe_path, as_json) -> None:
 @main.command()
 @click.argument("recipe_path", metavar="RECIPE", type=click.Path())
 @click.option("--world-size", type=int, default=None, help="The job's world size, to compare with the recipe.")
-def check(recipe_path, world_size) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the mismatches as JSON (exit 1 if any).")
+def check(recipe_path, world_size, as_json) -> None:
     """Compare RECIPE with this environment; list every mismatch with its fix (exit 1 if any)."""
     from .errors import ValidationError
     from .recipe import check_recipe, load_recipe
 
     problems = check_recipe(load_recipe(recipe_path), world_size)
+    if as_json:
+        click.echo(json.dumps({"recipe": recipe_path, "ok": not problems, "problems": [
+            {"argument": p.argument, "message": p.message, "fix": p.fix} for p in problems]}, indent=2))
+        sys.exit(1 if problems else 0)
     if problems:
         raise ValidationError(problems)
     click.echo(f"{recipe_path}: matches this environment")
@@ -225,16 +279,45 @@ def check(recipe_path, world_size) -> None:
 @main.command()
 @click.argument("folder", type=click.Path(file_okay=False), default="recipes")
 @click.option("--check", "check_only", is_flag=True, help="Exit 1 if FOLDER/README.md is not up to date.")
-def index(folder, check_only) -> None:
+@click.option("--force", is_flag=True, help="Replace a README.md that cptune index did not write.")
+def index(folder, check_only, force) -> None:
     """Write FOLDER/README.md, the index of the recipes found in FOLDER."""
-    from .recipe import index_text
+    from .catalog import index_text, write_index
 
-    text = index_text(folder)
-    target = Path(folder) / "README.md"
     if check_only:
-        if not target.is_file() or target.read_text() != text:
+        target = Path(folder) / "README.md"
+        if not target.is_file() or target.read_text() != index_text(folder):
             raise CPTuneError(f"{target} is out of date: run cptune index {folder}")
         click.echo(f"{target} is up to date")
         return
-    target.write_text(text)
-    click.echo(f"written: {target}")
+    click.echo(f"written: {write_index(folder, force)}")
+
+
+@main.command(name="ls")
+@click.argument("folders", nargs=-1, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True)
+def list_recipes(folders, as_json) -> None:
+    """List the shipped recipes and those in FOLDERS (default: ./recipes and ./runs), with their figures."""
+    from .catalog import listing
+
+    rows = listing(list(folders) or ["recipes", "runs"])
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no recipes found (cptune search --out FILE writes one)")
+    for r in rows:
+        detail = f"error: {r['error']}" if "error" in r else \
+            f"{r['config']:<30} {r['ranks']} ranks  {r['figures']:<22} {r['workload']}"
+        click.echo(f"{r['where']:<8} {r['name']:<32} {detail}")
+    click.echo("\n(copy one to edit: cptune cp NAME DEST; run one: cptune launch PATH)")
+
+
+@main.command(name="cp")
+@click.argument("name")
+@click.argument("dest", type=click.Path())
+def copy_recipe(name, dest) -> None:
+    """Copy the shipped recipe NAME to DEST (a file or a folder), to edit and launch."""
+    from .catalog import copy_shipped
+
+    click.echo(f"copied: {copy_shipped(name, dest)}")

@@ -33,6 +33,10 @@ class StrictModel(BaseModel):
 def _problems(model: type[BaseModel], exc: pydantic.ValidationError) -> list[Problem]:
     problems = []
     for err in exc.errors():
+        carried = getattr((err.get("ctx") or {}).get("error"), "problem", None)
+        if carried is not None:  # a validator that knows the argument and the fix (ProblemError)
+            problems.append(carried)
+            continue
         loc = [str(part) for part in err["loc"]]
         owner, field = model, None  # walk nested models down to the field the error is about
         for part in loc:

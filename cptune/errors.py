@@ -43,3 +43,11 @@ class ValidationError(CPTuneError, ValueError):
 def raise_if(problems: list[Problem]) -> None:
     if problems:
         raise ValidationError(problems)
+
+
+class ProblemError(ValueError):
+    """Raised inside a pydantic validator: carries the whole Problem (argument and fix) out of it."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem.message)
+        self.problem = problem

@@ -19,7 +19,7 @@ import yaml
 from pydantic import Field
 
 from .config import CPConfig, StrictModel
-from .errors import CPTuneError, Problem, ValidationError
+from .errors import CPTuneError, Problem, ValidationError, raise_if
 from .search.workload import Workload
 
 SCHEMA_VERSION = 1
@@ -68,6 +68,8 @@ class Metrics(StrictModel):
     """(budget - worst peak per rank) / budget."""
     compile_s: float | None = None
     """torch.compile time of the first step (workload.compile), kept out of tokens_per_s."""
+    digest: str | None = None
+    """A hash of what was measured (workload, config, ranks, provenance): an edit shows up as a mismatch."""
     note: str = ""
 
 
@@ -81,8 +83,12 @@ class Recipe(StrictModel):
     metrics: Metrics
 
     def torchrun_args(self, script: str | None = None, args: list[str] | None = None, *, nnodes: int | None = None,
-                      node_rank: int | None = None, rdzv_endpoint: str | None = None) -> list[str]:
-        """The torchrun argument list (no shell involved); overrides win over the recipe."""
+                      node_rank: int | None = None, rdzv_endpoint: str | None = None,
+                      torchrun_options: list[str] = ()) -> list[str]:
+        """The torchrun argument list (no shell involved); overrides win over the recipe.
+
+        ``torchrun_options`` (e.g. ``--max-restarts 3``) go to torchrun, before the script.
+        """
         launch = self.launch
         script = script or launch.script
         if not script:
@@ -101,8 +107,65 @@ class Recipe(StrictModel):
                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=cptune"]
             if node_rank is not None:
                 argv.append(f"--node-rank={node_rank}")
-        argv += [f"--nproc-per-node={launch.nproc_per_node}", script, *(launch.args if args is None else args)]
+        argv += [f"--nproc-per-node={launch.nproc_per_node}", *torchrun_options, script,
+                 *(launch.args if args is None else args)]
         return argv
+
+    def with_overrides(self, overrides: list[str]) -> Recipe:
+        """This recipe with ``section.field=value`` overrides applied (values read as YAML).
+
+        An overridden recipe no longer describes what was measured: it is marked unmeasured,
+        and its note says what changed from the measured configuration.
+        """
+        if not overrides:
+            return self
+        data, changes, problems = self.model_dump(mode="json"), [], []
+        for item in overrides:
+            key, sep, text = item.partition("=")
+            section, _, name = key.partition(".")
+            if not sep or section not in ("config", "launch", "workload") or not name or "." in name:
+                problems.append(Problem(item, "is not an override", "write section.field=value with section config, "
+                                        "launch or workload, e.g. config.rotate_method=alltoall"))
+                continue
+            if name not in data[section]:
+                problems.append(Problem(key, "is not a recipe field", f"use one of {', '.join(data[section])}"))
+                continue
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
+            changes.append(f"{key}: {data[section][name]!r} -> {value!r}")
+            data[section][name] = value
+        raise_if(problems)
+        data["metrics"] = {**data["metrics"], "measured": False,
+                           "note": "overridden at launch (" + "; ".join(changes) + "); the figures are for the "
+                                   "measured configuration"}
+        try:
+            patched = Recipe(**data)
+            patched.config.resolve_mesh_shape(patched.launch.world_size)
+        except ValidationError as exc:
+            raise ValidationError([Problem(f"override {pr.argument}", pr.message, pr.fix) for pr in exc.problems]) \
+                from None
+        return patched
+
+    def measured_digest(self) -> str:
+        import hashlib
+        import json
+
+        launch = {"nnodes": self.launch.nnodes, "nproc_per_node": self.launch.nproc_per_node}
+        what = {"workload": self.workload.model_dump(mode="json"), "config": self.config.model_dump(mode="json"),
+                "launch": launch, "provenance": self.provenance.model_dump(mode="json")}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def edited(self) -> bool:
+        """Measured, but what was measured has been changed since (by hand): its figures do not apply."""
+        return self.metrics.measured and self.metrics.digest is not None and \
+            self.metrics.digest != self.measured_digest()
+
+    @property
+    def figures_apply(self) -> bool:
+        return self.metrics.measured and not self.edited
 
     def header(self, path: str | os.PathLike | None = None) -> str:
         where = path or "RECIPE.yaml"
@@ -144,7 +207,7 @@ def load_recipe(path: str | os.PathLike | None = None) -> Recipe:
             raise CPTuneError(f"no recipe given and ${ENV_VAR} is not set; pass a path or launch with cptune launch")
     p = Path(path)
     if not p.is_file():
-        raise ValidationError([Problem("recipe", f"{str(p)!r} does not exist", "check the path (cptune show lists it)")])
+        raise ValidationError([Problem("recipe", f"{str(p)!r} does not exist", "check the path; cptune ls lists the shipped and local recipes")])
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
@@ -203,7 +266,7 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
                device_count=result.world_size)
     if result.device == "cpu":
         env["device"] = "cpu"
-    return Recipe(
+    recipe = Recipe(
         workload=result.workload,
         config=best.config,
         launch=Launch(nnodes=nnodes, nproc_per_node=result.nproc_per_node, script=script, args=list(args or [])),
@@ -215,14 +278,16 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
                         note=f"best of {len(result.trials)} trials; "
                              f"{sum(r.state == 'ok' for r in result.trials)} feasible"),
     )
+    return recipe.model_copy(update={"metrics": recipe.metrics.model_copy(
+        update={"digest": recipe.measured_digest()})})
 
 
-def world_size_problems(recipe: Recipe, world_size: int) -> list[Problem]:
+def world_size_problems(recipe: Recipe, world_size: int, argument: str = "recipe") -> list[Problem]:
     """A problem if the job's world size is not the recipe's."""
     launch = recipe.launch
     if world_size == launch.world_size:
         return []
-    return [Problem("launch", f"the recipe is for {launch.world_size} ranks ({launch.nnodes} node(s) x "
+    return [Problem(argument, f"the recipe is for {launch.world_size} ranks ({launch.nnodes} node(s) x "
                     f"{launch.nproc_per_node}) but this job has {world_size}",
                     f"launch with cptune launch (it starts {launch.world_size} ranks) or use a recipe "
                     f"searched for {world_size} ranks")]
@@ -253,8 +318,12 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
             problems.append(Problem("provenance.backend", "nccl is not available in this torch", "install a CUDA torch"))
     elif not dist.is_gloo_available():
         problems.append(Problem("provenance.backend", "gloo is not available in this torch", "install torch with gloo"))
+    if recipe.edited:
+        problems.append(Problem("metrics", "the recipe was edited after it was measured (its workload, config, "
+                                "ranks or provenance differ from what the figures are for)",
+                                "re-run cptune search for this configuration, or set metrics.measured: false"))
     if world_size is not None:
-        problems += world_size_problems(recipe, world_size)
+        problems += world_size_problems(recipe, world_size, "--world-size")
     cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size
     for backend in recipe.config.sdpa_backend or ():
         why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=cp > 1)
@@ -263,24 +332,3 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
     return problems
 
 
-def index_text(folder: str | os.PathLike) -> str:
-    """recipes/README.md: one row per recipe file found under ``folder`` (never a hand-kept list)."""
-    from .search.memory import format_size
-
-    folder = Path(folder)
-    lines = ["# Recipes", "", "Generated by `cptune index recipes` from the files in this folder; do not edit by hand.",
-             "Each recipe's first line is the torchrun command it stands for; `cptune launch FILE` runs it.", "",
-             "| recipe | workload | config | ranks | measured on | tokens/s | peak per rank | budget |",
-             "|---|---|---|---|---|---|---|---|"]
-    for path in sorted(folder.rglob("*.yaml")):
-        r = load_recipe(path)
-        m, p = r.metrics, r.provenance
-        peak = max(m.peak_bytes_per_rank) if m.peak_bytes_per_rank else None
-        measured = f"{p.device_count} x {p.device} ({p.backend}), {p.date}" if m.measured else "not measured"
-        tps = f"{m.tokens_per_s:,.0f}" if m.tokens_per_s else "-"
-        lines.append(f"| [{path.relative_to(folder)}]({path.relative_to(folder)}) | {r.workload.describe()} | "
-                     f"{r.config.label()} | {r.launch.world_size} | {measured} | {tps} | {format_size(peak)} | "
-                     f"{format_size(m.memory_budget)} |")
-    lines += ["", "Throughput is from the search that wrote the recipe, on a shared CPU: compare configs within a",
-              "recipe's study, not absolute figures across machines."]
-    return "\n".join(lines) + "\n"

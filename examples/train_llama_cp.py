@@ -162,7 +162,8 @@ def main() -> None:
     parser.add_argument("--recipe", default=None, help="Recipe file (default: $CPTUNE_RECIPE, else no CP)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq-len", type=int, default=None, help="Default: the recipe's, else 1024")
-    parser.add_argument("--batch", type=int, default=2, help="Global batch (split over dp replicas)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="Global batch, split over dp replicas (default: as the recipe was measured, else 2)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--losses-out", default=None, help="Write the per-step losses here (JSON)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
@@ -193,9 +194,9 @@ def main() -> None:
     if args.ac is None:
         args.ac = recipe.workload.ac if recipe else "none"
     dp, cp = config.resolve_mesh_shape(world)
-    if args.batch % dp:
-        raise SystemExit(f"--batch {args.batch} must be divisible by the recipe's dp degree {dp}")
-    replica = rank // cp  # ("dp", "cp") mesh, row-major: ranks of one replica are consecutive
+    if args.batch is None:  # as measured: the recipe's batch per replica
+        args.batch = dp * recipe.workload.batch if recipe else 2
+    rows = cptune.replica_rows(args.batch, config=config)  # this replica's share of the global batch
 
     mesh = fsdp_mesh = None
     if distributed:
@@ -218,8 +219,6 @@ def main() -> None:
     losses = []
     for step in range(args.steps):
         input_ids, labels, positions = make_batch(step, args.batch, seq_len, 256, device)
-        per = args.batch // dp
-        rows = slice(replica * per, (replica + 1) * per)
         optimizer.zero_grad(set_to_none=True)
         loss = train_step(input_ids[rows], labels[rows], positions[rows])
         if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 import cptune
 from cptune.cli import main
-from cptune.recipe import Launch, Metrics, Provenance, Recipe, environment, index_text, load_recipe, save_recipe
+from cptune.catalog import index_text
+from cptune.recipe import Launch, Metrics, Provenance, Recipe, environment, load_recipe, save_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -112,6 +112,8 @@ class SearchResult:
             head = f"no configuration fits the memory budget {format_size(self.memory_budget)}{margin}"
         else:
             head = "no configuration finished yet (raise --n-trials or --timeout)"
+        if not self.complete:
+            head += f" among the {len(self.trials)} tried so far (the others are untried: raise --n-trials or --timeout)"
         return head + ":\n" + "\n".join(lines)
 
     def table(self) -> str:
@@ -128,6 +130,20 @@ class SearchResult:
             lines.append(f"{r.number:>3}  {r.config.label():<34} {tps:>10} {format_size(r.peak_bytes):>10} {room:>8} "
                          f"{format_size(r.predicted_bytes):>10}{comp}  {feasible:<8} {r.reason}")
         return "\n".join(lines)
+
+    LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; lb: causal load balancing; flash on "
+              "CPU: cptune's CPU ring kernel; tokens/s: the whole world; peak: the worst rank; headroom: budget "
+              "left; predicted: the memory model (-: not modelled)")
+
+    def dp_only_note(self) -> str | None:
+        """Why a config without CP can win, when it does."""
+        best = self.best
+        if best is None or best.config.mesh_shape[1] != 1:
+            return None
+        return (f"{best.config.label()} means no context parallelism: each rank holds whole sequences and exchanges "
+                "nothing, so it wins whenever a whole sequence fits the budget. CP pays off when one does not: "
+                "search with --memory-budget set to your device's memory and your model's depth (--layers, or "
+                "--workload for your own step).")
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best

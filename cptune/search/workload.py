@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from ..config import StrictModel
-from ..errors import CPTuneError, Problem, ValidationError
+from ..errors import CPTuneError, Problem, ProblemError, ValidationError
 
 DType = Literal["float32", "bfloat16", "float16"]
 AC = Literal["none", "full", "selective"]
@@ -42,9 +42,13 @@ class Workload(StrictModel):
     @model_validator(mode="after")
     def _heads_divide(self) -> Workload:
         if self.kv_heads is not None and self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            divisors = [d for d in range(1, self.heads + 1) if self.heads % d == 0]
+            raise ProblemError(Problem("kv_heads (--kv-heads)", f"{self.kv_heads} does not divide heads "
+                                       f"({self.heads})", f"use a divisor of {self.heads}: "
+                                       f"{', '.join(map(str, divisors))}, or leave it out for kv_heads = heads"))
         if self.step is not None and (":" not in self.step or self.step.count(":") != 1):
-            raise ValueError(f"step must look like 'module:function', got {self.step!r}")
+            raise ProblemError(Problem("step (--workload)", f"{self.step!r} is not 'module:function'",
+                                       "name an importable function, e.g. examples.train_llama_cp:search_step"))
         return self
 
     @property
