@@ -128,10 +128,19 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if is_rank0:
         click.echo(f"cptune search: {workload.describe()}", err=True)
-    result = run_search(workload, nproc=nproc, device=device, memory_budget=memory_budget,
-                        memory_margin=memory_margin, storage=storage,
-                        study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
-                        sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
+    from .search.interrupts import SearchInterrupted
+
+    try:
+        result = run_search(workload, nproc=nproc, device=device, memory_budget=memory_budget,
+                            memory_margin=memory_margin, storage=storage,
+                            study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
+                            sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
+    except SearchInterrupted as exc:
+        from .recipe import command_line
+
+        click.echo(f"\ncptune search: stopped by {exc} with {exc.stored} trial(s) stored in study {exc.study_name}; "
+                   f"resume with: {command_line()}", err=True)
+        sys.exit(exc.exit_code)
     if result is None:  # a torchrun rank other than 0
         return
     if as_json:
@@ -147,6 +156,8 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
         raise CPTuneError(result.why_nothing())
     if not as_json:
         click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
+        if result.tie_note():
+            click.echo(f"tie: {result.tie_note()}")
         if result.dp_only_note():
             click.echo(f"note: {result.dp_only_note()}")
     if not result.complete:

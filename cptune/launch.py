@@ -48,6 +48,9 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,
             jobs: Any, results: Any, env: dict[str, str]) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the parent decides
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

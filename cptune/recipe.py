@@ -68,6 +68,8 @@ class Metrics(StrictModel):
     """(budget - worst peak per rank) / budget."""
     compile_s: float | None = None
     """torch.compile time of the first step (workload.compile), kept out of tokens_per_s."""
+    equivalent: list[str] = Field(default_factory=list)
+    """Configurations the search could not tell apart from this one (within measurement noise)."""
     digest: str | None = None
     """A hash of what was measured (workload, config, ranks, provenance): an edit shows up as a mismatch."""
     note: str = ""
@@ -275,8 +277,10 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
         metrics=Metrics(measured=True, tokens_per_s=best.tokens_per_s, step_time_s=best.step_time_s,
                         peak_bytes_per_rank=best.peak_per_rank, memory_budget=result.memory_budget,
                         compile_s=best.compile_s, memory_margin=result.memory_margin, headroom=best.headroom,
+                        equivalent=[r.config.label() for r in result.tie],
                         note=f"best of {len(result.trials)} trials; "
-                             f"{sum(r.state == 'ok' for r in result.trials)} feasible"),
+                             f"{sum(r.state == 'ok' for r in result.trials)} feasible"
+                             + (f"; tie: {result.tie_note()}" if result.tie else "")),
     )
     return recipe.model_copy(update={"metrics": recipe.metrics.model_copy(
         update={"digest": recipe.measured_digest()})})

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,17 +15,17 @@ import torch.distributed as dist
 
 from ..errors import Problem, ValidationError, raise_if
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator, TrialFailed
+from .interrupts import Interrupts, SearchInterrupted
 from .measure import MeasureSettings, measure_on_rank, summarize
 from .memory import PRUNE_FACTOR, default_budget, format_size, parse_size, predict_peak
 from .result import INTERRUPTED, SearchResult, TrialRecord, record_from
-from .space import axes, config_from, config_key, invalid_reason, mesh_shapes
+from . import racing
+from .space import axes, config_from, config_key, invalid_reason, mesh_shapes, pytorch_default
 from .workload import Workload
 
 GRID_LIMIT = 64
 """Spaces with at most this many distinct configurations are searched exhaustively; larger ones by TPE."""
 DEFAULT_STORAGE = "sqlite:///cptune.db"
-CONFIRM_MARGIN = 0.10
-"""When the two fastest feasible configs are this close, both are measured once more."""
 
 Progress = Callable[[TrialRecord, int, int], None]
 
@@ -152,9 +152,26 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
         open_points.setdefault(config_key(config_from(params)), params)
     wanted = set(open_points)
     exhaustive = sampler == "grid" or (sampler == "auto" and len(wanted) <= GRID_LIMIT)
-    baseline = evaluator.baseline([s for s in mesh_shapes(world) if s[1] > 1]) if wanted - set(done) else 0
+    interrupts = Interrupts()
+    with interrupts:
+        try:
+            return _search_loop(evaluator, study, workload, ax, open_points, wanted, done, budget=budget,
+                                n_trials=n_trials, timeout=timeout, exhaustive=exhaustive, settings=settings,
+                                progress=progress, confirm=confirm, margin=margin, interrupts=interrupts,
+                                name=name, storage=storage)
+        except SearchInterrupted as exc:
+            evaluator.abort()  # the ranks may be mid-trial: stop them now, leave no process behind
+            raise SearchInterrupted(exc.signum, name, len(_finished(study))) from None
+
+
+def _search_loop(evaluator, study, workload, ax, open_points, wanted, done, *, budget, n_trials, timeout,
+                 exhaustive, settings, progress, confirm, margin, interrupts, name, storage) -> SearchResult:
+    world, device = evaluator.world_size, evaluator.device_type
+    with interrupts.immediate():
+        baseline = evaluator.baseline([s for s in mesh_shapes(world) if s[1] > 1]) if wanted - set(done) else 0
     started, evaluated, duplicates = time.monotonic(), 0, 0
     while wanted - set(done):
+        interrupts.check()
         if n_trials is not None and evaluated >= n_trials:
             break
         if timeout is not None and time.monotonic() - started >= timeout:
@@ -181,52 +198,65 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             continue
         duplicates = 0
-        frozen = _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin)
+        try:
+            frozen = _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin,
+                               interrupts, screen=confirm)
+        except SearchInterrupted:
+            if not study._storage.get_trial(trial._trial_id).state.is_finished():
+                trial.set_user_attr("reason", INTERRUPTED)  # measured again on resume
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
         done[key] = frozen
         evaluated += 1
         if progress is not None:
             progress(record_from(frozen, budget, margin), len(set(done) & wanted), len(wanted))
-    if evaluated and not workload.step and confirm:
-        _confirm_close_call(evaluator, study, workload, settings, baseline, budget, margin)
-    trials = [record_from(t, budget, margin) for t in _finished(study, budget).values()]
-    confirmations = study.user_attrs.get("confirmations", {})
-    for r in trials:
-        extra = confirmations.get(config_key(r.config), [])
-        if r.state == "ok" and extra:
-            r.tokens_per_s = statistics.median([r.tokens_per_s, *extra])
-            r.measurements += len(extra)
+    if evaluated and confirm:
+        _race_leaders(evaluator, study, workload, settings, baseline, budget, margin, interrupts)
+    trials = _records(study, workload, budget, margin)
+    leader, rivals = racing.contenders(trials)
+    tied = [leader, *rivals] if rivals else []
+    chosen = racing.choose(tied, pytorch_default(workload, world, device)) if tied else leader
     return SearchResult(study_name=name, storage=storage if isinstance(storage, str) else
-                        DEFAULT_STORAGE if storage is None else type(storage).__name__, workload=workload, world_size=world, device=device,
-                        nproc_per_node=evaluator.nproc_per_node, memory_budget=budget, trials=trials,
-                        evaluated_now=evaluated, complete=not (wanted - set(done)), memory_margin=margin)
+                        DEFAULT_STORAGE if storage is None else type(storage).__name__, workload=workload,
+                        world_size=world, device=device, nproc_per_node=evaluator.nproc_per_node,
+                        memory_budget=budget, trials=trials, evaluated_now=evaluated,
+                        complete=not (wanted - set(done)), memory_margin=margin,
+                        chosen=chosen.number if chosen else None, equivalent=[r.number for r in tied])
 
 
-def _confirm_close_call(evaluator, study, workload, settings, baseline: int, budget: int, margin: float) -> None:
-    """If the two fastest feasible configs are within CONFIRM_MARGIN, measure each once more.
+def _records(study, workload: Workload, budget: int, margin: float) -> list[TrialRecord]:
+    """Every configuration's record today: judged against ``budget``, its spread from all its step times."""
+    extra = study.user_attrs.get(racing.EXTRA_ATTR, {})
+    records = [record_from(t, budget, margin) for t in _finished(study, budget).values()]
+    for r in records:
+        per_step = r.config.mesh_shape[0] * workload.batch * workload.seq_len
+        racing.apply_spread(r, per_step, extra.get(config_key(r.config), []))
+    return records
 
-    One noisy measurement should not decide between near-equals; the pooled median does.
-    The extra figures live in the study's "confirmations" attribute (finished trials are final).
-    """
-    ok = sorted((record_from(t, budget, margin) for t in _finished(study, budget).values()),
-                key=lambda r: -(r.tokens_per_s or 0))
-    ok = [r for r in ok if r.state == "ok"]
-    if len(ok) < 2 or ok[1].tokens_per_s < (1 - CONFIRM_MARGIN) * ok[0].tokens_per_s:
-        return
-    extra = dict(study.user_attrs.get("confirmations", {}))
-    for r in ok[:2]:
+
+def _race_leaders(evaluator, study, workload, settings, baseline, budget, margin, interrupts) -> None:
+    """Race the leader and the configs within its spread at full length (see :mod:`.racing`)."""
+    def measure(record: TrialRecord) -> None:
+        interrupts.check()
         try:
-            summary = summarize(evaluator(workload, r.config, settings), workload, r.config, baseline)
+            with interrupts.immediate():
+                per_rank = evaluator(workload, record.config, settings)
         except TrialFailed:
-            continue
-        extra.setdefault(config_key(r.config), []).append(summary["tokens_per_s"])
-    study.set_user_attr("confirmations", extra)
+            return
+        steps = summarize(per_rank, workload, record.config, baseline)["step_times"]
+        extra = dict(study.user_attrs.get(racing.EXTRA_ATTR, {}))
+        extra.setdefault(config_key(record.config), []).extend(steps)
+        study.set_user_attr(racing.EXTRA_ATTR, extra)
+
+    racing.race(lambda: _records(study, workload, budget, margin), measure)
 
 
 def _frozen(study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTrial:
     return study._storage.get_trial(trial._trial_id)  # the trial just told, as stored
 
 
-def _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin=0.0):
+def _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin=0.0,
+              interrupts: Interrupts | None = None, screen: bool = False):
     """Run (or rule out) one trial and tell Optuna; returns the frozen trial."""
     state = optuna.trial.TrialState
     reason = invalid_reason(workload, config, device)
@@ -249,7 +279,8 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
             study.tell(trial, state=state.FAIL)
         evaluator.on_timeout = timed_out
     try:
-        per_rank = evaluator(workload, config, settings)
+        with interrupts.immediate() if interrupts is not None else contextlib.nullcontext():
+            per_rank = evaluator(workload, config, racing.screening(settings) if screen else settings)
     except TrialFailed as exc:
         trial.set_user_attr("reason", exc.reason)
         trial.set_user_attr("feasible", False)
@@ -372,12 +403,17 @@ def search(
 
             nproc = torch.cuda.device_count() if device == "cuda" else 2
         evaluator = LocalEvaluator(nproc, device, trial_timeout, measure)
+    interrupted = False
     try:
         budget = parse_size(memory_budget) if memory_budget is not None else \
             default_budget(evaluator.device_type, evaluator.nproc_per_node)
         return _run_search(evaluator, workload, budget=budget, **kwargs)
+    except SearchInterrupted:
+        interrupted = True
+        raise
     finally:
-        evaluator.close()
+        if not interrupted:
+            evaluator.close()
 
 
 __all__ = ["search", "get_storage", "default_study_name", "environment", "DEFAULT_MARGIN"]

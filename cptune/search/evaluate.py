@@ -60,6 +60,10 @@ class LocalEvaluator:
     def close(self) -> None:
         self.group.close()
 
+    def abort(self) -> None:
+        """Stop the ranks now (an interrupted search): kill, no waiting for the trial."""
+        self.group.kill()
+
 
 class SPMDEvaluator:
     """Inside the user's torchrun job: rank 0 drives, broadcasts each config, and gathers results.
@@ -127,3 +131,6 @@ class SPMDEvaluator:
 
     def close(self) -> None:
         self._broadcast(None)
+
+    def abort(self) -> None:
+        """Under torchrun the other ranks are torchrun's to stop; rank 0 records the trial and exits."""

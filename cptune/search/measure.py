@@ -143,6 +143,7 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, ba
         "peak_bytes": max(peaks),
         "peak_per_rank": peaks,
         "repeats": len(steps),
+        "step_times": steps,
         "spread": (max(steps) - min(steps)) / step_time if steps else 0.0,
         **({"compile_s": max(0.0, max(firsts) - step_time)} if workload.compile and all(firsts) else {}),
     }

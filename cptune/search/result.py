@@ -27,6 +27,9 @@ class TrialRecord:
     measurements: int = 1  # tokens_per_s is the median of this many measurements
     compile_s: float | None = None  # torch.compile time of the first step, kept out of tokens_per_s
     headroom: float | None = None  # (budget - worst peak) / budget, for the current budget
+    step_times: list[float] | None = None  # the slowest rank's time per timed step
+    tps_low: float | None = None  # tokens/s interquartile range over the steps
+    tps_high: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -69,7 +72,8 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
                        tokens_per_s=t.value if t.state == optuna.trial.TrialState.COMPLETE else None,
                        step_time_s=a.get("step_time_s"), peak_bytes=peak,
                        predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"),
-                       feasible=feasible, reason=reason, compile_s=a.get("compile_s"), headroom=headroom)
+                       feasible=feasible, reason=reason, compile_s=a.get("compile_s"), headroom=headroom,
+                       step_times=a.get("step_times"))
 
 
 @dataclass
@@ -83,6 +87,8 @@ class SearchResult:
     memory_budget: int
     trials: list[TrialRecord] = field(default_factory=list)
     memory_margin: float = 0.0
+    chosen: int | None = None  # the trial picked: the fastest, or by the tie rule among equivalents
+    equivalent: list[int] = field(default_factory=list)  # trials the measurements cannot tell apart
     evaluated_now: int = 0
     complete: bool = False
 
@@ -95,8 +101,14 @@ class SearchResult:
 
     @property
     def best(self) -> TrialRecord | None:
+        if self.chosen is not None:
+            return next(r for r in self.trials if r.number == self.chosen)
         ok = [r for r in self.trials if r.state == "ok"]
         return max(ok, key=lambda r: r.tokens_per_s) if ok else None
+
+    @property
+    def tie(self) -> list[TrialRecord]:
+        return [r for r in self.trials if r.number in self.equivalent]
 
     def why_nothing(self) -> str:
         if not self.trials:
@@ -119,21 +131,33 @@ class SearchResult:
     def table(self) -> str:
         compiled = self.workload.compile
         extra = f" {'compile':>8}" if compiled else ""
-        head = (f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'peak':>10} {'headroom':>8} {'predicted':>10}{extra}  "
-                f"{'feasible':<8} reason")
+        head = (f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'IQR':>15} {'n':>3} {'peak':>10} {'headroom':>8} "
+                f"{'predicted':>10}{extra}  {'feasible':<8} reason")
         lines = [head, "-" * len(head)]
         for r in self.ranked:
             tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
+            spread = f"{r.tps_low:,.0f}-{r.tps_high:,.0f}" if r.tps_low is not None else "-"
             feasible = {True: "yes", False: "no", None: "-"}[r.feasible]
             comp = (f" {r.compile_s:>7.1f}s" if r.compile_s is not None else f" {'-':>8}") if compiled else ""
             room = f"{r.headroom:.0%}" if r.headroom is not None else "-"
-            lines.append(f"{r.number:>3}  {r.config.label():<34} {tps:>10} {format_size(r.peak_bytes):>10} {room:>8} "
+            mark = "*" if r.number in self.equivalent else " "
+            lines.append(f"{r.number:>3}{mark} {r.config.label():<34} {tps:>10} {spread:>15} {r.measurements:>3} "
+                         f"{format_size(r.peak_bytes):>10} {room:>8} "
                          f"{format_size(r.predicted_bytes):>10}{comp}  {feasible:<8} {r.reason}")
         return "\n".join(lines)
 
     LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; lb: causal load balancing; flash on "
-              "CPU: cptune's CPU ring kernel; tokens/s: the whole world; peak: the worst rank; headroom: budget "
-              "left; predicted: the memory model (-: not modelled)")
+              "CPU: cptune's CPU ring kernel; tokens/s: the whole world, median over n timed steps; IQR: its "
+              "interquartile range; *: within noise of the best; peak: the worst rank; headroom: budget left; "
+              "predicted: the memory model (-: not modelled)")
+
+    def tie_note(self) -> str | None:
+        if not self.tie:
+            return None
+        from .racing import TIE_RULE
+
+        return (f"{len(self.tie)} configurations are within measurement noise of each other "
+                f"({', '.join(r.config.label() for r in self.tie)}); chosen by {TIE_RULE}")
 
     def dp_only_note(self) -> str | None:
         """Why a config without CP can win, when it does."""
@@ -153,4 +177,5 @@ class SearchResult:
             "memory_budget_unit": "bytes", "memory_margin": self.memory_margin,
             "evaluated_now": self.evaluated_now, "complete": self.complete,
             "best": best.to_dict() if best else None, "trials": [r.to_dict() for r in self.ranked],
+            "equivalent": [r.config.label() for r in self.tie],
         }
