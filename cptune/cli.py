@@ -74,7 +74,8 @@ def _init_torchrun() -> bool:
 
 
 @main.command()
-@click.option("--seq-len", type=int, default=4096, show_default=True, help="Tokens per sequence.")
+@click.option("--seq-len", default="4096", show_default=True,
+              help="Tokens per sequence; several, comma-separated (8192,16384,32768), search each on the same ranks.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Sequences per data-parallel replica.")
 @click.option("--heads", type=int, default=8, show_default=True)
 @click.option("--kv-heads", type=int, default=None, help="Key/value heads (GQA); default = --heads.")
@@ -120,8 +121,14 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     from .search import search as run_search
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    workload = Workload(seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                        dtype=dtype, causal=causal, layers=layers, compile=compile_, ac=ac, step=step)
+    try:
+        lengths = [int(x) for x in str(seq_len).split(",") if x.strip()]
+    except ValueError:
+        raise CPTuneError(f"--seq-len: cannot read {seq_len!r}. Fix: give a length like 8192, or several like "
+                          "8192,16384,32768") from None
+    workload = Workload(seq_len=lengths[0] if lengths else 0, batch=batch, heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, dtype=dtype, causal=causal, layers=layers, compile=compile_, ac=ac,
+                        step=step)
     if step and "" not in sys.path:
         sys.path.insert(0, "")  # --workload modules are found from the current folder, like python -m
     is_rank0 = _init_torchrun()
@@ -131,40 +138,82 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     from .search.interrupts import SearchInterrupted
 
     try:
-        result = run_search(workload, nproc=nproc, device=device, memory_budget=memory_budget,
-                            memory_margin=memory_margin, storage=storage,
-                            study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
-                            sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
+        results = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc, device=device,
+                             memory_budget=memory_budget, memory_margin=memory_margin, storage=storage,
+                             study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
+                             sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
     except SearchInterrupted as exc:
         from .recipe import command_line
 
         click.echo(f"\ncptune search: stopped by {exc} with {exc.stored} trial(s) stored in study {exc.study_name}; "
                    f"resume with: {command_line()}", err=True)
         sys.exit(exc.exit_code)
-    if result is None:  # a torchrun rank other than 0
+    if results is None:  # a torchrun rank other than 0
         return
+    results = results if isinstance(results, list) else [results]
+    if as_json:
+        data = [r.to_dict() for r in results]
+        click.echo(json.dumps(data if len(results) > 1 else data[0], indent=2))
+    failed = []
+    for result in results:
+        if not as_json:
+            _print_result(result)
+        if result.best is None:
+            failed.append(result)
+        elif out:
+            target = out if len(results) == 1 else _per_length(out, result.workload.seq_len)
+            path = save_recipe(recipe_from_search(result, script=script), target)
+            click.echo(f"recipe written: {path}", err=True)
+    if len(results) > 1 and not as_json:
+        click.echo("\nbest per sequence length:")
+        previous = None
+        for r in results:
+            label = r.best.config.label() if r.best else "nothing fits"
+            change = "" if previous in (None, label) else f"   <- changes (was {previous})"
+            click.echo(f"  S={r.workload.seq_len:<8} {label}{change}")
+            previous = label
+    if failed:
+        raise CPTuneError("\n".join(f"S={r.workload.seq_len}: {r.why_nothing()}" if len(results) > 1 else
+                                    r.why_nothing() for r in failed))
+
+
+def _per_length(out: str, seq_len: int) -> str:
+    """runs/x.yaml -> runs/x-s8192.yaml: one recipe per length of a schedule."""
+    path = Path(out)
+    return str(path.with_name(f"{path.stem}-s{seq_len}{path.suffix or '.yaml'}"))
+
+
+def _print_result(result) -> None:
+    click.echo(f"\nstudy {result.study_name} ({result.storage}), {result.world_size} ranks on {result.device}, "
+               f"budget per rank {_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
+    click.echo(result.table())
+    click.echo(f"({result.LEGEND})")
+    best = result.best
+    if best is not None:
+        click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
+        for kind, note in (("tie", result.tie_note()), ("note", result.dp_only_note())):
+            if note:
+                click.echo(f"{kind}: {note}")
+    if not result.complete:
+        click.echo("note: not every configuration was tried; rerun the same command to continue", err=True)
+
+
+@main.command()
+@click.argument("study_name", metavar="STUDY")
+@click.option("--storage", default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Write report.png here.")
+@click.option("--json", "as_json", is_flag=True)
+def report(study_name, storage, out, as_json) -> None:
+    """Print STUDY's ranked table; with --out, a PNG of tokens/s (with spread) and peak memory vs the budget."""
+    from .search.report import load_result, plot
+
+    result = load_result(study_name, storage)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo(f"\nstudy {result.study_name} ({result.storage}), "
-                   f"{result.world_size} ranks on {result.device}, budget per rank "
-                   f"{_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
-        click.echo(result.table())
-        click.echo(f"({result.LEGEND})")
-    best = result.best
-    if best is None:
-        raise CPTuneError(result.why_nothing())
-    if not as_json:
-        click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
-        if result.tie_note():
-            click.echo(f"tie: {result.tie_note()}")
-        if result.dp_only_note():
-            click.echo(f"note: {result.dp_only_note()}")
-    if not result.complete:
-        click.echo("note: not every configuration was tried; rerun the same command to continue", err=True)
+        _print_result(result)
     if out:
-        path = save_recipe(recipe_from_search(result, script=script), out)
-        click.echo(f"recipe written: {path}", err=True)
+        click.echo(f"written: {plot(result, out)}", err=True)
 
 
 def _size(n: int) -> str:

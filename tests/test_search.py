@@ -232,3 +232,39 @@ def test_racing_measures_only_contenders_and_declares_a_tie(study_env):
     recipe = cptune.recipe.recipe_from_search(result)
     assert sorted(recipe.metrics.equivalent) == sorted(r.config.label() for r in result.tie)
     assert result.to_dict()["equivalent"] and "*" in result.table()
+
+
+def schedule_measure(workload, config, settings):
+    dp, cp = config.mesh_shape
+    return {"rank": dist.get_rank(), "times": [1.0 if cp == 1 else 1.5] * 3, "baseline": 0, "pid": os.getpid(),
+            "peak": workload.seq_len * 2**18 // cp}  # dp-only holds the whole sequence: its memory grows fastest
+
+
+def test_several_lengths_on_the_same_ranks(study_env):
+    storage, _ = study_env
+    results = cptune.search(Workload(seq_len=1024), seq_lens=[1024, 4096], nproc=2, storage=storage,
+                            measure=schedule_measure, memory_budget="1.25GiB", settings=MeasureSettings(min_seconds=0))
+    assert [r.workload.seq_len for r in results] == [1024, 4096]
+    assert len({r.study_name for r in results}) == 2  # one study per length
+    assert results[0].best.config.mesh_shape == (2, 1)  # short: dp-only fits and is fastest
+    assert results[1].best.config.mesh_shape == (1, 2)  # long: only CP fits
+
+
+def test_cli_schedule_writes_one_recipe_per_length_and_shows_the_change(tmp_path):
+    from click.testing import CliRunner
+
+    from cptune.cli import main
+
+    out = tmp_path / "runs" / "sched.yaml"
+    result = CliRunner().invoke(main, ["search", "--seq-len", "256,512", "--heads", "2", "--head-dim", "16",
+                                       "--min-seconds", "0", "--storage", f"sqlite:///{tmp_path / 'c.db'}",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "best per sequence length:" in result.output and "S=256" in result.output and "S=512" in result.output
+    written = sorted(p.name for p in out.parent.glob("*.yaml"))
+    assert written == ["sched-s256.yaml", "sched-s512.yaml"]
+    assert cptune.load_recipe(out.parent / "sched-s512.yaml").workload.seq_len == 512
+    report = CliRunner().invoke(main, ["report", cptune.load_recipe(out.parent / "sched-s256.yaml").provenance.study_name,
+                                       "--storage", f"sqlite:///{tmp_path / 'c.db'}", "--out", str(tmp_path / "rep")])
+    assert report.exit_code == 0 and "IQR" in report.output, report.output
+    assert (tmp_path / "rep" / "report.png").stat().st_size > 1000

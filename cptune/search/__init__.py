@@ -1,6 +1,7 @@
 """The auto-tuner: an Optuna search over context-parallel configurations, measured on real ranks."""
 
-from .driver import DEFAULT_STORAGE, get_storage, search
+from .driver import DEFAULT_STORAGE, get_storage
+from .run import search
 from .measure import MeasureSettings
 from .result import SearchResult, TrialRecord
 from .space import all_configs, config_key, pytorch_default

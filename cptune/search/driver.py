@@ -11,13 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 import optuna
-import torch.distributed as dist
 
-from ..errors import Problem, ValidationError, raise_if
-from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator, TrialFailed
+from ..errors import Problem, ValidationError
+from .evaluate import SPMDEvaluator, TrialFailed
 from .interrupts import Interrupts, SearchInterrupted
-from .measure import MeasureSettings, measure_on_rank, summarize
-from .memory import PRUNE_FACTOR, default_budget, format_size, parse_size, predict_peak
+from .measure import MeasureSettings, summarize
+from .memory import PRUNE_FACTOR, format_size, predict_peak
 from .result import INTERRUPTED, SearchResult, TrialRecord, record_from
 from . import racing
 from .space import axes, config_from, config_key, invalid_reason, mesh_shapes, pytorch_default
@@ -74,7 +73,7 @@ def default_study_name(workload: Workload, world_size: int, device_type: str,
 
 
 def _open_study(storage, name: str, question: dict[str, Any], world: int, device: str, budget: int,
-                seed: int | None) -> optuna.Study:
+                seed: int | None, margin: float = 0.0) -> optuna.Study:
     # Exhaustive search enqueues every open configuration in turn; TPE (with the memory
     # constraint) proposes the rest when the space is large.
     chosen = optuna.samplers.TPESampler(seed=seed)  # reads each trial's "memory" constraint
@@ -96,6 +95,7 @@ def _open_study(storage, name: str, question: dict[str, Any], world: int, device
                                            f"({'; '.join(changes)})", "leave --study-name out (each question "
                                            "gets its own study), or give a new name")])
     study.set_user_attr("memory_budget", budget)
+    study.set_user_attr("memory_margin", margin)
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         # One driver per study at a time: a trial still RUNNING was left by a driver that died.
         study._storage.set_trial_user_attr(t._trial_id, "reason", INTERRUPTED)
@@ -143,7 +143,7 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
     storage_obj = get_storage(storage)
     env = environment(device, world, evaluator.nproc_per_node)
     name = study_name or default_study_name(workload, world, device, settings, env)
-    study = _open_study(storage_obj, name, _question(workload, settings, env), world, device, budget, seed)
+    study = _open_study(storage_obj, name, _question(workload, settings, env), world, device, budget, seed, margin)
     ax = axes(workload, world, device)
     done = _finished(study, budget)
     open_points: dict[str, dict] = {}  # one parameter set per distinct configuration, in search order
@@ -212,15 +212,27 @@ def _search_loop(evaluator, study, workload, ax, open_points, wanted, done, *, b
             progress(record_from(frozen, budget, margin), len(set(done) & wanted), len(wanted))
     if evaluated and confirm:
         _race_leaders(evaluator, study, workload, settings, baseline, budget, margin, interrupts)
+    return result_from_study(study, budget=budget, margin=margin, evaluated=evaluated,
+                             complete=not (wanted - set(done)), storage=storage)
+
+
+def result_from_study(study: optuna.Study, *, budget: int | None = None, margin: float | None = None,
+                      evaluated: int = 0, complete: bool = True, storage: Any = None) -> SearchResult:
+    """A study's result as a search would report it, judged against ``budget`` (default: its last run's)."""
+    a = study.user_attrs
+    workload = Workload(**a["workload"])
+    world, device = a["world_size"], a["device"]
+    budget = budget if budget is not None else a["memory_budget"]
+    margin = margin if margin is not None else a.get("memory_margin", 0.0)
     trials = _records(study, workload, budget, margin)
     leader, rivals = racing.contenders(trials)
     tied = [leader, *rivals] if rivals else []
     chosen = racing.choose(tied, pytorch_default(workload, world, device)) if tied else leader
-    return SearchResult(study_name=name, storage=storage if isinstance(storage, str) else
-                        DEFAULT_STORAGE if storage is None else type(storage).__name__, workload=workload,
-                        world_size=world, device=device, nproc_per_node=evaluator.nproc_per_node,
-                        memory_budget=budget, trials=trials, evaluated_now=evaluated,
-                        complete=not (wanted - set(done)), memory_margin=margin,
+    nproc = (a.get("environment") or {}).get("nproc_per_node", world)
+    where = storage if isinstance(storage, str) else DEFAULT_STORAGE if storage is None else type(storage).__name__
+    return SearchResult(study_name=study.study_name, storage=where, workload=workload, world_size=world,
+                        device=device, nproc_per_node=nproc, memory_budget=budget, trials=trials,
+                        evaluated_now=evaluated, complete=complete, memory_margin=margin,
                         chosen=chosen.number if chosen else None, equivalent=[r.number for r in tied])
 
 
@@ -300,120 +312,4 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
     return _frozen(study, trial)
 
 
-DEFAULT_MARGIN = 0.05
-"""A config is feasible when its worst measured peak plus this share fits the budget."""
-
-
-def _option_problems(n_trials, timeout, trial_timeout, margin, nproc) -> list[Problem]:
-    problems = []
-    if n_trials is not None and n_trials < 1:
-        problems.append(Problem("--n-trials", f"is {n_trials}", "give 1 or more, or leave it out to run every config"))
-    if timeout is not None and not timeout > 0:
-        problems.append(Problem("--timeout", f"is {timeout}", "give a positive number of seconds, or leave it out"))
-    if not trial_timeout > 0:
-        problems.append(Problem("--trial-timeout", f"is {trial_timeout}", "give a positive number of seconds "
-                                "(default 300)"))
-    if not 0 <= margin < 1:
-        problems.append(Problem("--memory-margin", f"is {margin}", "give a share in [0, 1), e.g. 0.05 for 5 %"))
-    if nproc is not None and nproc < 1:
-        problems.append(Problem("--nproc", f"is {nproc}", "use --nproc 1 or more"))
-    return problems
-
-
-def _check_user_step(workload: Workload) -> None:
-    """Import --workload once, here, before any rank starts, and check it takes (workload, device)."""
-    import inspect
-
-    from .workload import load_user_step
-
-    fn = load_user_step(workload.step)
-    try:
-        inspect.signature(fn).bind(workload, "cpu")
-    except TypeError:
-        raise ValidationError([Problem("--workload", f"{workload.step} cannot be called as fn(workload, device)",
-                                       "define it as def fn(workload, device) -> (step, buffers, seq_dims)")]) from None
-    except ValueError:  # no signature to read (a builtin): let the ranks find out
-        pass
-
-
-def search(
-    workload: Workload | dict | None = None,
-    *,
-    nproc: int | None = None,
-    memory_budget: str | int | None = None,
-    memory_margin: float = DEFAULT_MARGIN,
-    storage: None | str | optuna.storages.BaseStorage = None,
-    study_name: str | None = None,
-    n_trials: int | None = None,
-    timeout: float | None = None,
-    trial_timeout: float = 300.0,
-    sampler: str = "auto",
-    seed: int | None = 0,
-    settings: MeasureSettings | None = None,
-    device: str | None = None,
-    progress: Progress | None = None,
-    measure: MeasureFn = measure_on_rank,
-    confirm: bool = True,
-) -> SearchResult | None:
-    """Find the fastest configuration that fits in ``memory_budget`` for ``workload``, measured on real ranks.
-
-    Outside torch.distributed, launches ``nproc`` local ranks (gloo on CPU, nccl with
-    ``device='cuda'``) and drives the study from this process. With ``confirm``, a close call
-    between the two fastest feasible configs is measured once more before choosing. Inside a torchrun job (the
-    process group already initialized), every rank must call it: rank 0 drives and gets the
-    result, the other ranks serve trials and get None. Every option is checked, and a
-    ``--workload`` step imported, before any rank starts. A config is feasible when its worst
-    peak (over ranks and repeats) plus ``memory_margin`` fits ``memory_budget``; a resumed study
-    is judged against the budget of this call.
-    """
-    workload = workload if isinstance(workload, Workload) else Workload(**(workload or {}))
-    settings = settings or MeasureSettings()
-    problems = _option_problems(n_trials, timeout, trial_timeout, memory_margin, nproc)
-    if sampler not in ("auto", "grid", "tpe"):
-        problems.append(Problem("sampler", f"unknown sampler {sampler!r}", "use 'auto', 'grid' or 'tpe'"))
-    if memory_budget is not None:
-        try:
-            parse_size(memory_budget)
-        except ValidationError as exc:
-            problems += exc.problems
-    if not dist.is_initialized():
-        device = device or "cpu"
-        if device not in ("cpu", "cuda"):
-            problems.append(Problem("--device", f"unknown device {device!r}", "use cpu or cuda"))
-        elif device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                problems.append(Problem("--device", "is cuda but this machine has no usable CUDA GPU",
-                                        "use --device cpu, or run on a GPU machine with a CUDA build of torch"))
-    raise_if(problems)
-    if workload.step:
-        _check_user_step(workload)
-    kwargs: dict[str, Any] = dict(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
-                                  sampler=sampler, seed=seed, settings=settings, progress=progress, confirm=confirm,
-                                  margin=memory_margin)
-    if dist.is_initialized():
-        evaluator = SPMDEvaluator(trial_timeout, measure)
-        if dist.get_rank() != 0:
-            evaluator.follow()
-            return None
-    else:
-        if nproc is None:
-            import torch
-
-            nproc = torch.cuda.device_count() if device == "cuda" else 2
-        evaluator = LocalEvaluator(nproc, device, trial_timeout, measure)
-    interrupted = False
-    try:
-        budget = parse_size(memory_budget) if memory_budget is not None else \
-            default_budget(evaluator.device_type, evaluator.nproc_per_node)
-        return _run_search(evaluator, workload, budget=budget, **kwargs)
-    except SearchInterrupted:
-        interrupted = True
-        raise
-    finally:
-        if not interrupted:
-            evaluator.close()
-
-
-__all__ = ["search", "get_storage", "default_study_name", "environment", "DEFAULT_MARGIN"]
+__all__ = ["get_storage", "default_study_name", "environment", "result_from_study"]

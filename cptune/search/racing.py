@@ -41,7 +41,7 @@ def quantiles(values: Sequence[float]) -> tuple[float, float, float]:
 def apply_spread(record: TrialRecord, tokens_per_step: float, extra_times: Sequence[float] = ()) -> None:
     """Set the record's figure and range from its step times pooled with ``extra_times``."""
     times = [*(record.step_times or []), *extra_times]
-    if record.state != "ok" or not times:
+    if record.state not in ("ok", "infeasible") or not times:
         return
     low, mid, high = quantiles([tokens_per_step / t for t in times])
     record.tokens_per_s, record.tps_low, record.tps_high = mid, low, high

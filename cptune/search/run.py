@@ -1,0 +1,149 @@
+"""``cptune.search``: check every option, start the ranks once, and run one study per sequence length."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optuna
+import torch.distributed as dist
+
+from ..errors import Problem, ValidationError, raise_if
+from .driver import Progress, _run_search
+from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator
+from .interrupts import SearchInterrupted
+from .measure import MeasureSettings, measure_on_rank
+from .memory import default_budget, parse_size
+from .result import SearchResult
+from .workload import Workload
+
+DEFAULT_MARGIN = 0.05
+"""A config is feasible when its worst measured peak plus this share fits the budget."""
+
+
+def _option_problems(n_trials, timeout, trial_timeout, margin, nproc) -> list[Problem]:
+    problems = []
+    if n_trials is not None and n_trials < 1:
+        problems.append(Problem("--n-trials", f"is {n_trials}", "give 1 or more, or leave it out to run every config"))
+    if timeout is not None and not timeout > 0:
+        problems.append(Problem("--timeout", f"is {timeout}", "give a positive number of seconds, or leave it out"))
+    if not trial_timeout > 0:
+        problems.append(Problem("--trial-timeout", f"is {trial_timeout}", "give a positive number of seconds "
+                                "(default 300)"))
+    if not 0 <= margin < 1:
+        problems.append(Problem("--memory-margin", f"is {margin}", "give a share in [0, 1), e.g. 0.05 for 5 %"))
+    if nproc is not None and nproc < 1:
+        problems.append(Problem("--nproc", f"is {nproc}", "use --nproc 1 or more"))
+    return problems
+
+
+def _check_user_step(workload: Workload) -> None:
+    """Import --workload once, here, before any rank starts, and check it takes (workload, device)."""
+    import inspect
+
+    from .workload import load_user_step
+
+    fn = load_user_step(workload.step)
+    try:
+        inspect.signature(fn).bind(workload, "cpu")
+    except TypeError:
+        raise ValidationError([Problem("--workload", f"{workload.step} cannot be called as fn(workload, device)",
+                                       "define it as def fn(workload, device) -> (step, buffers, seq_dims)")]) from None
+    except ValueError:  # no signature to read (a builtin): let the ranks find out
+        pass
+
+
+def search(
+    workload: Workload | dict | None = None,
+    *,
+    seq_lens: Sequence[int] | None = None,
+    nproc: int | None = None,
+    memory_budget: str | int | None = None,
+    memory_margin: float = DEFAULT_MARGIN,
+    storage: None | str | optuna.storages.BaseStorage = None,
+    study_name: str | None = None,
+    n_trials: int | None = None,
+    timeout: float | None = None,
+    trial_timeout: float = 300.0,
+    sampler: str = "auto",
+    seed: int | None = 0,
+    settings: MeasureSettings | None = None,
+    device: str | None = None,
+    progress: Progress | None = None,
+    measure: MeasureFn = measure_on_rank,
+    confirm: bool = True,
+) -> SearchResult | list[SearchResult] | None:
+    """Find the fastest configuration that fits in ``memory_budget`` for ``workload``, measured on real ranks.
+
+    Outside torch.distributed, launches ``nproc`` local ranks (gloo on CPU, nccl with
+    ``device='cuda'``) and drives the study from this process. With ``confirm``, a close call
+    between the two fastest feasible configs is measured once more before choosing. Inside a torchrun job (the
+    process group already initialized), every rank must call it: rank 0 drives and gets the
+    result, the other ranks serve trials and get None. Every option is checked, and a
+    ``--workload`` step imported, before any rank starts. A config is feasible when its worst
+    peak (over ranks and repeats) plus ``memory_margin`` fits ``memory_budget``; a resumed study
+    is judged against the budget of this call.
+
+    ``seq_lens``: search each of these sequence lengths (one study each, on the same ranks) and
+    return the list of results, in order; a training schedule's lengths in one run.
+    """
+    workload = workload if isinstance(workload, Workload) else Workload(**(workload or {}))
+    lengths = list(seq_lens) if seq_lens else [workload.seq_len]
+    if any(not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValidationError([Problem("--seq-len", f"{lengths} holds a length that is not a positive integer",
+                                       "give lengths like 8192 or 8192,16384,32768")])
+    workloads = [workload.model_copy(update={"seq_len": n}) for n in lengths]
+    settings = settings or MeasureSettings()
+    problems = _option_problems(n_trials, timeout, trial_timeout, memory_margin, nproc)
+    if sampler not in ("auto", "grid", "tpe"):
+        problems.append(Problem("sampler", f"unknown sampler {sampler!r}", "use 'auto', 'grid' or 'tpe'"))
+    if memory_budget is not None:
+        try:
+            parse_size(memory_budget)
+        except ValidationError as exc:
+            problems += exc.problems
+    if not dist.is_initialized():
+        device = device or "cpu"
+        if device not in ("cpu", "cuda"):
+            problems.append(Problem("--device", f"unknown device {device!r}", "use cpu or cuda"))
+        elif device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                problems.append(Problem("--device", "is cuda but this machine has no usable CUDA GPU",
+                                        "use --device cpu, or run on a GPU machine with a CUDA build of torch"))
+    raise_if(problems)
+    if workload.step:
+        _check_user_step(workload)
+    kwargs: dict[str, Any] = dict(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
+                                  sampler=sampler, seed=seed, settings=settings, progress=progress, confirm=confirm,
+                                  margin=memory_margin)
+    if dist.is_initialized():
+        evaluator = SPMDEvaluator(trial_timeout, measure)
+        if dist.get_rank() != 0:
+            evaluator.follow()
+            return None
+    else:
+        if nproc is None:
+            import torch
+
+            nproc = torch.cuda.device_count() if device == "cuda" else 2
+        evaluator = LocalEvaluator(nproc, device, trial_timeout, measure)
+    interrupted = False
+    try:
+        budget = parse_size(memory_budget) if memory_budget is not None else \
+            default_budget(evaluator.device_type, evaluator.nproc_per_node)
+        results = []
+        for w in workloads:
+            name = study_name if study_name is None or len(workloads) == 1 else f"{study_name}-S{w.seq_len}"
+            results.append(_run_search(evaluator, w, budget=budget, **{**kwargs, "study_name": name}))
+        return results if seq_lens else results[0]
+    except SearchInterrupted:
+        interrupted = True
+        raise
+    finally:
+        if not interrupted:
+            evaluator.close()
+
+
+__all__ = ["search", "DEFAULT_MARGIN"]
