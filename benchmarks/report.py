@@ -80,11 +80,23 @@ def summary_lines(results: dict, rows: list[dict]) -> list[str]:
         f"{held_text} trials in {len(held)} of {len(rows)} "
         f"workloads; time to that point / time to measure every config: geometric mean "
         f"{_fmt(_geomean([r['hold_seconds'] / r['oracle_seconds'] for r in held]), '.2f')}; whole search "
-        f"(with its close-call re-measurements) / every config: "
+        f"(screening and racing) / every config: "
         f"{_fmt(_geomean([r['search_seconds'] / r['oracle_seconds'] for r in rows]), '.2f')}",
         f"- memory model: mean |predicted - measured| / measured peak per config {_fmt(100 * sum(mem) / len(mem), '.1f')} %, "
         f"worst {_fmt(100 * max(r['mem_err_max'] for r in rows), '.1f')} %",
+        *_repeat_line(results.get("repeat")),
     ]
+
+
+def _repeat_line(repeat: dict | None) -> list[str]:
+    if not repeat:
+        return []
+    runs = repeat["runs"]
+    answers = [(r["chosen"], tuple(r["tie"])) for r in runs]
+    same = len({a[0] for a in answers}) == 1 or len({a[1] for a in answers if a[1]}) == 1 and all(a[1] for a in answers)
+    text = "; ".join(f"{r['chosen']}" + (f" (tie of {len(r['tie'])})" if r["tie"] else "") for r in runs)
+    return [f"- repeatability, {repeat['name']} searched {len(runs)} times from scratch: {text} -> "
+            f"{'the same answer' if same else 'different answers'}"]
 
 
 def write_report(results: dict, out: Path, update_readme: bool = False) -> str:

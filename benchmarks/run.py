@@ -13,7 +13,9 @@ For each workload (2 gloo ranks, 1 thread each) it measures, in this one run:
 3. wrapper overhead: a step through `cptune.context_parallel` against the same ring attention
    called directly (torch's own `context_parallel` does not run on CPU);
 4. search cost: trials and seconds until the search first held the oracle's config, against
-   the time to measure every config;
+   the time to measure every config (the search screens each config briefly, then races the
+   ones within noise of the leader);
+7. repeatability: one workload searched three times from scratch: the same choice or the same tie?
 5. memory model accuracy: predicted vs measured peak per config;
 6. step time and peak memory against sequence length, per config (plots).
 All figures are ratios from this run; absolute times on a shared CPU are not quoted.
@@ -137,6 +139,14 @@ def main() -> None:
         results["workloads"].append(entry)
         print(f"{name}: tuned {entry['tuned']}, {len(trace)} trials, {time.monotonic() - t0:.0f}s", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
+    # Repeatability: the same workload searched three times from scratch, on fresh ranks each time.
+    name, workload, _ = workloads(args.quick)[1]
+    results["repeat"] = {"name": name, "runs": []}
+    for i in range(3):
+        tuned, _ = run_search(workload, default_budget("cpu", NPROC), storage, f"bench-repeat-{i}")
+        results["repeat"]["runs"].append({"chosen": config_key(tuned.best.config) if tuned.best else None,
+                                          "tie": sorted(config_key(r.config) for r in tuned.tie)})
+        print(f"repeat {i}: {results['repeat']['runs'][-1]}", flush=True)
     results["total_seconds"] = time.monotonic() - started
     (out / "results.json").write_text(json.dumps(results, indent=1))
     summary = write_report(results, out, update_readme=args.update_readme)
