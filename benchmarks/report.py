@@ -58,7 +58,8 @@ def _geomean(xs):
 
 def summary_lines(results: dict, rows: list[dict]) -> list[str]:
     t_o = [r["tuned_over_oracle"] for r in rows if r["tuned_feasible"]]
-    over = len(rows) - len(t_o)  # the tuned config measured over budget in the oracle pass
+    none = sum(r["tuned"] is None for r in rows)  # the search found nothing feasible
+    over = len(rows) - len(t_o) - none  # the tuned config measured over budget in the oracle pass
     t_d = [r["tuned_over_default"] for r in rows if r["default_feasible"]]
     eff = [r["cp_efficiency"] for r in rows]
     mem = [r["mem_err_mean"] for r in rows]
@@ -68,7 +69,8 @@ def summary_lines(results: dict, rows: list[dict]) -> list[str]:
     return [
         f"- tuned / oracle throughput: geometric mean {_fmt(_geomean(t_o), '.3f')}, worst {_fmt(min(t_o), '.3f')} "
         f"({sum(x >= 0.95 for x in t_o)} of {len(rows)} workloads within 5 %"
-        f"{f'; in {over} the tuned config was over budget in the oracle pass' if over else ''})",
+        f"{f'; in {over} the tuned config was over budget in the oracle pass' if over else ''}"
+        f"{f'; in {none} the search found no feasible config' if none else ''})",
         f"- tuned / PyTorch default (allgather, load balancing, cp = world): geometric mean "
         f"{_fmt(_geomean(t_d), '.2f')}, range {_fmt(min(t_d), '.2f')}–{_fmt(max(t_d), '.2f')}",
         f"- CP parallel efficiency (best CP config / dp-only, no communication): "

@@ -40,6 +40,7 @@ from cptune.search import MeasureSettings, Workload, all_configs, config_key, py
 from cptune.search.measure import baseline_on_rank, measure_on_rank, summarize
 from cptune.config import CPConfig
 from cptune.search.memory import default_budget, predict_peak
+from cptune.search.run import DEFAULT_MARGIN
 from cptune.search.space import mesh_shapes
 
 from .overhead import overhead_on_rank
@@ -123,12 +124,13 @@ def main() -> None:
             oracle = measure_all(group, workload, baseline)
         oracle_seconds = time.monotonic() - t0
         budget = default_budget("cpu", NPROC)
-        if budget_rule == "between":  # between dp-only's peak and the leanest CP config's
+        margin = DEFAULT_MARGIN  # the search's: a config fits when peak x (1 + margin) <= budget
+        if budget_rule == "between":  # between dp-only's peak and the leanest CP config's, margin included
             dp_peak = oracle[config_key(CPConfig(mesh_shape=(NPROC, 1), sdpa_backend="flash"))]["peak_bytes"]
             cp_peak = min(r["peak_bytes"] for k, r in oracle.items() if "-cp1-" not in k)
-            budget = (dp_peak + cp_peak) // 2 if cp_peak < dp_peak else budget
+            budget = int((1 + margin) * (dp_peak + cp_peak) / 2) if cp_peak < dp_peak else budget
         for row in oracle.values():
-            row["feasible"] = row["peak_bytes"] <= budget
+            row["feasible"] = row["peak_bytes"] * (1 + margin) <= budget
         t1 = time.monotonic()
         tuned, trace = run_search(workload, budget, storage, f"bench-{len(results['workloads'])}")
         search_seconds = time.monotonic() - t1
