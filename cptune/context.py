@@ -81,10 +81,12 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         self._session = _Session(self.config, self.causal, self.recipe)
         return self._session
 
+    @torch.compiler.disable  # set-up and teardown run eagerly; torch.compile traces the block's model code
     def __enter__(self) -> context_parallel:
         self._new_session().start(self.mesh, self.buffers, self.seq_dims, self.no_restore, inplace=True)
         return self
 
+    @torch.compiler.disable
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         assert self._session is not None
         self._session.stop(failing=exc_type is not None)
