@@ -295,12 +295,14 @@ class _Session:
                 if name not in keep:
                     _restore(t, saved)
         problems = []
-        if keep:
-            problems.append(Problem(
-                ", ".join(keep), "was sharded in place and the autograd graph still holds it (backward has "
-                "not run yet); restoring the full tensor now would break that backward, so it is left "
-                "sharded", "call loss.backward() inside the with-block (or the decorated function), or "
-                "list the buffer in no_restore=[...] to keep it sharded after the block on purpose"))
+        if keep and (not dist.is_initialized() or dist.get_rank() == 0):
+            # Restoring would make the pending backward fail (torch's in-place check); left sharded,
+            # that backward is exact. Said, not raised: code that never calls backward still runs.
+            warnings.warn(f"cptune: {', '.join(keep)} left sharded after the block: the autograd graph still "
+                          "holds it (backward has not run yet) and restoring the full tensor would break that "
+                          "backward. Call loss.backward() inside the with-block (or the decorated function), or "
+                          "list it in no_restore=[...] to keep it sharded on purpose (and silence this)",
+                          CPTuneWarning, stacklevel=3)
         if self._checkpointed and not failing:
             problems.append(Problem(
                 "backward", "attention ran under activation checkpointing in this block and backward has "
