@@ -36,7 +36,15 @@ def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, co
         seen.append(line)
         if "1/5" in line:
             break
-    time.sleep(0.7)
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the second trial has started: interrupt it while it is measured
+        summaries = optuna.get_all_study_summaries(storage)
+        if summaries and any(t.state == optuna.trial.TrialState.RUNNING
+                             for t in optuna.load_study(study_name=summaries[0].study_name, storage=storage).trials):
+            break
+        time.sleep(0.05)
+    time.sleep(0.15)
     ranks = _children(proc.pid)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
@@ -59,4 +67,50 @@ def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, co
     assert f"{5 - before} trial(s) run now" in resumed.stdout  # the interrupted one is measured again
     table = resumed.stdout.split("-----")[-1]
     assert table.count(" yes ") == 5, resumed.stdout  # every configuration has its measurement
-    assert len(interrupted) <= 1
+    assert len(interrupted) <= 1  # mid-trial (usually) it is recorded as interrupted; between trials, none is
+
+
+def slow_second_trial(workload, config, settings):
+    """Measures instantly, except the second configuration, which takes a minute unless interrupted."""
+    import torch.distributed as dist
+
+    from cptune.search import config_key
+
+    if config_key(config) == "dp1-cp2-alltoall-nolb-flash" and os.environ.get("CPTUNE_TEST_SLOW"):
+        open(os.environ["CPTUNE_TEST_SLOW"], "a").close()  # tells the test the trial is running
+        time.sleep(60)
+    return {"rank": dist.get_rank(), "times": [1.0] * 3, "peak": 2**20, "baseline": 0, "pid": os.getpid()}
+
+
+def test_signal_during_a_trial_records_it_interrupted_and_resume_measures_it(tmp_path, monkeypatch):
+    import threading
+
+    import cptune
+    from cptune.search import MeasureSettings, Workload, config_key
+    from cptune.search.interrupts import SearchInterrupted
+
+    storage = f"sqlite:///{tmp_path / 'i.db'}"
+    kw = dict(nproc=2, storage=storage, memory_budget="8GiB", settings=MeasureSettings(min_seconds=0), confirm=False)
+    marker = tmp_path / "slow-trial-running"
+    monkeypatch.setenv("CPTUNE_TEST_SLOW", str(marker))
+
+    def interrupt_when_running():
+        while not marker.exists():
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, while the slow trial is being measured
+
+    timer = threading.Thread(target=interrupt_when_running, daemon=True)
+    timer.start()
+    started = time.monotonic()
+    with pytest.raises(SearchInterrupted) as info:
+        cptune.search(Workload(seq_len=1024), measure=slow_second_trial, **kw)
+    assert time.monotonic() - started < 40 and info.value.exit_code == 130  # stopped at once, not after 60 s
+    study = optuna.load_study(study_name=info.value.study_name, storage=storage)
+    stopped = [t for t in study.trials if t.user_attrs.get("reason") == "the search stopped during this trial"]
+    assert [t.user_attrs["key"] for t in stopped] == ["dp1-cp2-alltoall-nolb-flash"]
+    assert all(t.state.is_finished() for t in study.trials)
+    monkeypatch.delenv("CPTUNE_TEST_SLOW")
+    resumed = cptune.search(Workload(seq_len=1024), measure=slow_second_trial, **kw)
+    assert resumed.complete and all(r.state == "ok" for r in resumed.trials)
+    assert "dp1-cp2-alltoall-nolb-flash" in {config_key(r.config) for r in resumed.trials}
