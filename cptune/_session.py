@@ -275,7 +275,7 @@ class _Session:
     def _ring_forward_ran(self) -> None:
         """Called by every ring forward (not a recompute inside backward) while the block is open."""
         self._forward_since_backward = True
-        if _under_checkpoint():
+        if not self._checkpointed and _under_checkpoint():  # one stack walk until the next backward
             self._checkpointed = True
 
     def backward_ran(self) -> None:
@@ -294,7 +294,6 @@ class _Session:
             for name, t, saved, _ in self._restores:
                 if name not in keep:
                     _restore(t, saved)
-        problems = []
         if keep and (not dist.is_initialized() or dist.get_rank() == 0):
             # Restoring would make the pending backward fail (torch's in-place check); left sharded,
             # that backward is exact. Said, not raised: code that never calls backward still runs.
@@ -304,12 +303,11 @@ class _Session:
                           "list it in no_restore=[...] to keep it sharded on purpose (and silence this)",
                           CPTuneWarning, stacklevel=3)
         if self._checkpointed and not failing:
-            problems.append(Problem(
+            raise_if([Problem(
                 "backward", "attention ran under activation checkpointing in this block and backward has "
                 "not run yet; its recompute would run outside the block as single-device attention on "
                 "this rank's shard (wrong gradients)", "call loss.backward() inside the with-block (or "
-                "inside the decorated function)"))
-        raise_if(problems)
+                "inside the decorated function)")])
 
     def num_items_in_batch(self, labels: torch.Tensor, ignore_index: int, over: str) -> torch.Tensor:
         raise_if([Problem("over", f"is {over!r}", "use over='all' (every dp x cp rank) or over='cp' "

@@ -214,10 +214,10 @@ def replica_rows(global_batch: int, *, config: ConfigLike = None, recipe: Any = 
     return slice(replica * per, (replica + 1) * per)
 
 
-def _active() -> _Session:
+def _active(needs: str = "this needs an active cptune.context_parallel block (or decorated call); call it "
+            "inside one, or use the object the with-statement returned") -> _Session:
     if not _ACTIVE:
-        raise CPTuneError("this needs an active cptune.context_parallel block (or decorated call); "
-                          "call it inside one, or use the object the with-statement returned")
+        raise CPTuneError(needs)
     return _ACTIVE[-1]
 
 
@@ -235,10 +235,8 @@ def unshard(tensors: Any, seq_dims: Any, *, context: context_parallel | None = N
     """
     if context is not None:
         return context.unshard(tensors, seq_dims)
-    if not _ACTIVE:
-        raise CPTuneError("cptune.unshard outside a context_parallel block needs context=: "
-                          "pass the object the with-statement returned (with ... as cp)")
-    return _ACTIVE[-1].unshard(tensors, seq_dims)
+    return _active("cptune.unshard outside a context_parallel block needs context=: "
+                   "pass the object the with-statement returned (with ... as cp)").unshard(tensors, seq_dims)
 
 
 __all__ = ["context_parallel", "unshard", "num_items_in_batch", "replica_rows", "CPTuneWarning", "default_backends", "SDPA_BACKENDS"]
