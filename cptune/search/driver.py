@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -15,9 +14,9 @@ import optuna
 from ..errors import Problem, ValidationError
 from .evaluate import SPMDEvaluator, TrialFailed
 from .interrupts import Interrupts, SearchInterrupted
-from .measure import MeasureSettings, summarize
-from .memory import PRUNE_FACTOR, format_size, predict_peak
-from .result import INTERRUPTED, SearchResult, TrialRecord, record_from
+from .measure import MeasureSettings, summarize, tokens_per_step
+from .memory import PRUNE_FACTOR, predict_peak
+from .result import INTERRUPTED, SearchResult, TrialRecord, over_budget_reason, pruned_reason, record_from
 from . import racing
 from .space import axes, config_from, config_key, invalid_reason, mesh_shapes, pytorch_default
 from .workload import Workload
@@ -241,15 +240,13 @@ def _records(study, workload: Workload, budget: int, margin: float) -> list[Tria
     extra = study.user_attrs.get(racing.EXTRA_ATTR, {})
     records = [record_from(t, budget, margin) for t in _finished(study, budget).values()]
     for r in records:
-        per_step = r.config.mesh_shape[0] * workload.batch * workload.seq_len
-        racing.apply_spread(r, per_step, extra.get(config_key(r.config), []))
+        racing.apply_spread(r, tokens_per_step(workload, r.config), extra.get(config_key(r.config), []))
     return records
 
 
 def _race_leaders(evaluator, study, workload, settings, baseline, budget, margin, interrupts) -> None:
     """Race the leader and the configs within its spread at full length (see :mod:`.racing`)."""
     def measure(record: TrialRecord) -> None:
-        interrupts.check()
         try:
             with interrupts.immediate():
                 per_rank = evaluator(workload, record.config, settings)
@@ -267,8 +264,8 @@ def _frozen(study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTria
     return study._storage.get_trial(trial._trial_id)  # the trial just told, as stored
 
 
-def _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin=0.0,
-              interrupts: Interrupts | None = None, screen: bool = False):
+def _evaluate(evaluator, study, trial, workload, config, budget, baseline, settings, device, margin: float,
+              interrupts: Interrupts, screen: bool):
     """Run (or rule out) one trial and tell Optuna; returns the frozen trial."""
     state = optuna.trial.TrialState
     reason = invalid_reason(workload, config, device)
@@ -281,8 +278,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
     trial.set_user_attr("memory_budget", budget)
     if predicted is not None and predicted > PRUNE_FACTOR * budget:
         trial.set_user_attr("feasible", False)
-        trial.set_user_attr("reason", f"predicted peak {format_size(predicted)} > {PRUNE_FACTOR} x budget "
-                                      f"{format_size(budget)}; not run")
+        trial.set_user_attr("reason", pruned_reason(predicted, budget))
         study.tell(trial, state=state.PRUNED)
         return _frozen(study, trial)
     if isinstance(evaluator, SPMDEvaluator):  # a hang ends the torchrun job: record why first
@@ -291,7 +287,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
             study.tell(trial, state=state.FAIL)
         evaluator.on_timeout = timed_out
     try:
-        with interrupts.immediate() if interrupts is not None else contextlib.nullcontext():
+        with interrupts.immediate():
             per_rank = evaluator(workload, config, racing.screening(settings) if screen else settings)
     except TrialFailed as exc:
         trial.set_user_attr("reason", exc.reason)
@@ -306,8 +302,7 @@ def _evaluate(evaluator, study, trial, workload, config, budget, baseline, setti
     trial.set_user_attr("excess", float(summary["peak_bytes"] - budget) / budget)
     trial.set_constraint("memory", float(summary["peak_bytes"] - budget) / budget)
     if not feasible:
-        trial.set_user_attr("reason", f"measured peak {format_size(summary['peak_bytes'])} + {margin:.0%} margin "
-                                      f"> budget {format_size(budget)}")
+        trial.set_user_attr("reason", over_budget_reason(summary["peak_bytes"], budget, margin))
     study.tell(trial, summary["tokens_per_s"])
     return _frozen(study, trial)
 

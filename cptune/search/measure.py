@@ -124,6 +124,11 @@ def baseline_on_rank(mesh_shapes: Sequence[tuple[int, int]] = ()) -> int:
     return current_usage(device)
 
 
+def tokens_per_step(workload: Workload, config: CPConfig) -> int:
+    """Tokens the whole world processes in one step: dp replicas x batch x sequence length."""
+    return config.mesh_shape[0] * workload.batch * workload.seq_len
+
+
 def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, base: int | None = None) -> dict:
     """Step time = median over repeats of the slowest rank; tokens/s for the whole world.
 
@@ -135,11 +140,10 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, ba
     peaks = [r["peak"] if base is None else base + r["peak"] - r["baseline"] for r in per_rank]
     steps = [max(r["times"][i] for r in per_rank) for i in range(min(len(r["times"]) for r in per_rank))]
     step_time = statistics.median(steps)
-    dp = config.mesh_shape[0]
     firsts = [r.get("first_step") for r in per_rank]
     return {
         "step_time_s": step_time,
-        "tokens_per_s": dp * workload.batch * workload.seq_len / step_time,
+        "tokens_per_s": tokens_per_step(workload, config) / step_time,
         "peak_bytes": max(peaks),
         "peak_per_rank": peaks,
         "repeats": len(steps),

@@ -66,11 +66,11 @@ def choose(tied: Sequence[TrialRecord], default: CPConfig | None) -> TrialRecord
     return min(tied, key=lambda r: (r.peak_bytes or 0, r.config != default, r.config.label()))
 
 
-def race(records: Callable[[], list[TrialRecord]], measure: Callable[[TrialRecord], list[float] | None]) -> None:
+def race(records: Callable[[], list[TrialRecord]], measure: Callable[[TrialRecord], None]) -> None:
     """Re-measure the leader and its overlapping contenders until they separate, RACE_ROUNDS at most.
 
     ``records()`` gives the current records with pooled spreads; ``measure(record)`` runs its
-    config once more at full length and stores the step times (None: the trial failed).
+    config once more at full length and stores the step times (a failed run stores none).
     """
     for _ in range(RACE_ROUNDS):
         leader, rivals = contenders(records())

@@ -41,6 +41,15 @@ class TrialRecord:
 INTERRUPTED = "the search stopped during this trial"
 
 
+def over_budget_reason(peak: int, budget: int, margin: float) -> str:
+    with_margin = f" + {margin:.0%} margin" if margin else ""
+    return f"measured peak {format_size(peak)}{with_margin} > budget {format_size(budget)}"
+
+
+def pruned_reason(predicted: int, budget: int) -> str:
+    return f"predicted peak {format_size(predicted)} > {PRUNE_FACTOR} x budget {format_size(budget)}; not run"
+
+
 def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: float = 0.0) -> TrialRecord:
     """A finished trial, judged against ``budget`` (the current run's; None: as stored when it ran).
 
@@ -53,8 +62,7 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
     peak = a.get("peak_bytes")
     if t.state == optuna.trial.TrialState.COMPLETE and budget is not None and peak is not None:
         feasible = peak * (1 + margin) <= budget
-        reason = "" if feasible else (f"measured peak {format_size(peak)}" + (f" + {margin:.0%} margin" if margin
-                                      else "") + f" > budget {format_size(budget)}")
+        reason = "" if feasible else over_budget_reason(peak, budget, margin)
     if t.state == optuna.trial.TrialState.COMPLETE:
         state = "ok" if feasible else "infeasible"
     elif reason.startswith("invalid"):
@@ -62,8 +70,7 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
     elif t.state == optuna.trial.TrialState.PRUNED:
         state = "infeasible"
         if budget is not None and a.get("predicted_bytes") is not None:
-            reason = (f"predicted peak {format_size(a['predicted_bytes'])} > {PRUNE_FACTOR} x budget "
-                      f"{format_size(budget)}; not run")
+            reason = pruned_reason(a["predicted_bytes"], budget)
     else:
         state = "failed"
         reason = reason or f"trial ended {t.state.name.lower()} without a reason (driver stopped?)"

@@ -76,8 +76,9 @@ def search(
     """Find the fastest configuration that fits in ``memory_budget`` for ``workload``, measured on real ranks.
 
     Outside torch.distributed, launches ``nproc`` local ranks (gloo on CPU, nccl with
-    ``device='cuda'``) and drives the study from this process. With ``confirm``, a close call
-    between the two fastest feasible configs is measured once more before choosing. Inside a torchrun job (the
+    ``device='cuda'``) and drives the study from this process. With ``confirm``, every config is
+    screened briefly and the leaders within noise of each other are raced (:mod:`.racing`); without
+    it, each config is measured once with ``settings``. Inside a torchrun job (the
     process group already initialized), every rank must call it: rank 0 drives and gets the
     result, the other ranks serve trials and get None. Every option is checked, and a
     ``--workload`` step imported, before any rank starts. A config is feasible when its worst
