@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ._pytorch_cp import torch_context_parallel
 from .overhead import interleaved_medians
 
 NPROC = 2
@@ -34,7 +35,6 @@ def training_step_on_rank(seq_len: int, repeats: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import cptune
-    from cptune import _torch_cp
     from examples.train_llama_cp import Llama, make_batch, parallelize
 
     torch.manual_seed(0)
@@ -53,7 +53,7 @@ def training_step_on_rank(seq_len: int, repeats: int) -> dict:
         return loss.detach()
 
     def pytorch():
-        with _torch_cp.torch_context_parallel(mesh, model_batch, [1, 1, 1], "alltoall"):
+        with torch_context_parallel(mesh, model_batch, [1, 1, 1], "alltoall"):
             return step(eager)
 
     def cptune_eager():

@@ -13,11 +13,19 @@ feature detection, so a torch release that moves things costs this one file:
   functions read while they run. cptune never leaves them changed: :func:`cp_options`
   sets them for the duration of one ring call (forward or backward) and restores them.
 
-On top of that this module adds the CPU ring backend: ring attention over
-``aten._scaled_dot_product_flash_attention_for_cpu`` (and its backward), which PyTorch's
-own dispatcher has no sharding rule for, and an autograd function that runs the ring with
-the configuration captured at forward time, so ``backward()`` is right even after the
-``with`` block has exited.
+On top of that this module adds, in this order:
+
+1. the CPU ring backend: ring attention over ``aten._scaled_dot_product_flash_attention_for_cpu``
+   (and its backward), which PyTorch's own dispatcher has no sharding rule for, beside
+   thin adapters for torch's CUDA ring wrappers (one :class:`RingBackend` per kernel);
+2. the ``cptune::ring_attention`` custom op and its backward op, with the configuration as
+   arguments, so an activation checkpoint's recompute, ``torch.compile`` and a backward after
+   the ``with`` block all run the ring as it ran at forward time; :func:`ring_attention` is
+   what the session calls, :data:`RING_ATTENTION_OPS` what selective-checkpointing policies name;
+3. two small hooks for the session: :func:`forward_listener` (told of each ring forward, to
+   spot activation checkpointing) and :func:`use_count` (whether autograd holds a buffer).
+
+Benchmarks reach torch's module through :func:`require_cp` (``benchmarks/_pytorch_cp.py``).
 """
 
 from __future__ import annotations
@@ -87,7 +95,8 @@ def support_problem() -> str | None:
     return None
 
 
-def _require_cp() -> Any:
+def require_cp() -> Any:
+    """torch's private CP module, or a CPTuneError saying why it cannot be used."""
     problem = support_problem()
     if problem is not None:
         raise CPTuneError(problem)
@@ -97,7 +106,7 @@ def _require_cp() -> Any:
 @contextlib.contextmanager
 def cp_options(rotate_method: str, load_balance: bool) -> Iterator[None]:
     """Set torch's CP globals for one ring call and put the old values back after it."""
-    cp = _require_cp()
+    cp = require_cp()
     options = cp._cp_options
     old = (options.rotate_method, options.enable_load_balance)
     options.rotate_method = (
@@ -244,7 +253,7 @@ def ring_backend_problem(device_type: str, backend: str, dtype: torch.dtype) -> 
 
 
 def ring_backend(device_type: str, backend: str) -> RingBackend:
-    _require_cp()
+    require_cp()
     return _RING_BACKENDS[(device_type, backend)]
 
 
@@ -355,54 +364,3 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     out, _ = _ring_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), group.group_name, backend,
                                 is_causal, scale, rotate_method, load_balance)
     return out
-
-
-# --------------------------------------------------------------------------------------
-# PyTorch's own context_parallel, made to run on CPU for side-by-side benchmarks: torch's
-# DTensor dispatcher has ring handlers for the CUDA kernels only, so this adds one for the
-# CPU flash kernel (the same templated ring functions cptune uses) while the block runs.
-# --------------------------------------------------------------------------------------
-
-
-def _native_cpu_handler(op_call, args, kwargs):
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = next(a.device_mesh for a in [*args, *kwargs.values()] if isinstance(a, DTensor))
-    local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
-    lkw = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
-    group = mesh.get_group()
-    if op_call == aten._scaled_dot_product_flash_attention_for_cpu.default:
-        q, k, v, *rest = local
-        dropout_p = rest[0] if rest else lkw.pop("dropout_p", 0.0)
-        is_causal = rest[1] if len(rest) > 1 else lkw.pop("is_causal", False)
-        results = _cp._templated_ring_attention(group, 2, op_call, query=q, key=k, value=v, is_causal=is_causal,
-                                                dropout_p=dropout_p, scale=lkw.get("scale"))[:2]
-    else:
-        grad_out, q, k, v, out, lse, dropout_p, is_causal = local[:8]
-        results = _cp._templated_ring_attention_backward(
-            group, 2, op_call, grad_out=grad_out, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
-            logsumexp=lse, is_causal=is_causal, dropout_p=dropout_p, scale=lkw.get("scale"))[:3]
-    return tuple(DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False) for t in results)
-
-
-@contextlib.contextmanager
-def torch_context_parallel(mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int],
-                           rotate_method: str) -> Iterator[None]:
-    """torch.distributed.tensor.experimental.context_parallel on CPU (benchmarks only)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.experimental import context_parallel
-
-    cp = _require_cp()
-    dispatcher = DTensor._op_dispatcher
-    old_rotate = cp._cp_options.rotate_method
-    cp.set_rotate_method(rotate_method)
-    handlers = {aten._scaled_dot_product_flash_attention_for_cpu.default: _native_cpu_handler,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _native_cpu_handler}
-    try:
-        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims):
-            dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, **handlers}
-            yield
-    finally:
-        for op in handlers:
-            dispatcher._custom_op_handlers.pop(op, None)
-        cp._cp_options.rotate_method = old_rotate

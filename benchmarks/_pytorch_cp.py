@@ -1,0 +1,63 @@
+"""PyTorch's own ``context_parallel``, made to run on CPU, for side-by-side benchmarks only.
+
+torch's DTensor dispatcher has ring handlers for the CUDA kernels only; this adds one for the
+CPU flash kernel (the same templated ring functions cptune uses) while the block runs. torch's
+private CP module is reached through ``cptune._torch_cp``, which stays its only importer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from cptune import _torch_cp
+
+aten = torch.ops.aten
+
+
+def _native_cpu_handler(op_call, args, kwargs):
+    from torch.distributed.tensor import DTensor, Shard
+
+    cp = _torch_cp.require_cp()
+    mesh = next(a.device_mesh for a in [*args, *kwargs.values()] if isinstance(a, DTensor))
+    local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+    lkw = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
+    group = mesh.get_group()
+    if op_call == aten._scaled_dot_product_flash_attention_for_cpu.default:
+        q, k, v, *rest = local
+        dropout_p = rest[0] if rest else lkw.pop("dropout_p", 0.0)
+        is_causal = rest[1] if len(rest) > 1 else lkw.pop("is_causal", False)
+        results = cp._templated_ring_attention(group, 2, op_call, query=q, key=k, value=v, is_causal=is_causal,
+                                               dropout_p=dropout_p, scale=lkw.get("scale"))[:2]
+    else:
+        grad_out, q, k, v, out, lse, dropout_p, is_causal = local[:8]
+        results = cp._templated_ring_attention_backward(
+            group, 2, op_call, grad_out=grad_out, grad_out_name="grad_out", query=q, key=k, value=v, out=out,
+            logsumexp=lse, is_causal=is_causal, dropout_p=dropout_p, scale=lkw.get("scale"))[:3]
+    return tuple(DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False) for t in results)
+
+
+@contextlib.contextmanager
+def torch_context_parallel(mesh: Any, buffers: list[torch.Tensor], seq_dims: list[int],
+                           rotate_method: str) -> Iterator[None]:
+    """torch.distributed.tensor.experimental.context_parallel on CPU (benchmarks only)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import context_parallel
+
+    cp = _torch_cp.require_cp()
+    dispatcher = DTensor._op_dispatcher
+    old_rotate = cp._cp_options.rotate_method
+    cp.set_rotate_method(rotate_method)
+    handlers = {aten._scaled_dot_product_flash_attention_for_cpu.default: _native_cpu_handler,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _native_cpu_handler}
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims):
+            dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, **handlers}
+            yield
+    finally:
+        for op in handlers:
+            dispatcher._custom_op_handlers.pop(op, None)
+        cp._cp_options.rotate_method = old_rotate
