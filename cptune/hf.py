@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._loss import IGNORE_INDEX
 from ._session import _ACTIVE
 from .errors import Problem, raise_if
 
@@ -89,7 +90,8 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
         if kwargs.get("labels") is None:
             kwargs["labels"] = shifted  # transformers computes a loss only when labels is given
         if kwargs.get("num_items_in_batch") is None:
-            kwargs["num_items_in_batch"] = session.num_items_in_batch(shifted, -100, "all")
+            kwargs["num_items_in_batch"] = session.num_items_in_batch(shifted, kwargs.get("ignore_index", IGNORE_INDEX),
+                                                                      "all")
     return args, kwargs
 
 

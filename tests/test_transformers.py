@@ -34,7 +34,7 @@ def _batch(step, batch=2, seq_len=32):
     return ids, labels, torch.arange(seq_len).expand(batch, seq_len)
 
 
-def _hf_case(steps, rotate, checkpointing):
+def _hf_case(steps, rotate, checkpointing, compiled=False):
     import cptune.hf
 
     ref, model = _llama(), _llama()
@@ -45,6 +45,7 @@ def _hf_case(steps, rotate, checkpointing):
         m.train()
         if checkpointing:
             m.gradient_checkpointing_enable()
+    run = torch.compile(model) if compiled else model
     world = dist.get_world_size()
     config = cptune.CPConfig(rotate_method=rotate, load_balance=True)
     results = []
@@ -55,7 +56,7 @@ def _hf_case(steps, rotate, checkpointing):
 
         shifted = cptune.shift_labels(labels)
         with cptune.context_parallel(buffers=[ids, shifted, positions], seq_dims=[1, 1, 1], config=config):
-            loss = model(input_ids=ids, position_ids=positions, shift_labels=shifted, use_cache=False).loss
+            loss = run(input_ids=ids, position_ids=positions, shift_labels=shifted, use_cache=False).loss
             loss.backward()
         loss = loss.detach()
         dist.all_reduce(loss)
@@ -75,6 +76,12 @@ def _hf_case(steps, rotate, checkpointing):
                                                         (2, "allgather", False)])
 def test_llama_trains_like_one_process(ranks, world, rotate, checkpointing):
     for per_rank in ranks(world).run(_hf_case, 3, rotate, checkpointing):
+        for r in per_rank:
+            assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, per_rank
+
+
+def test_compiled_llama_with_checkpointing(ranks):
+    for per_rank in ranks(2).run(_hf_case, 2, "alltoall", True, True):
         for r in per_rank:
             assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, per_rank
 
