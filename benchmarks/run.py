@@ -14,7 +14,9 @@ For each workload (2 gloo ranks, 1 thread each) it measures, in this one run:
    called directly (torch's own `context_parallel` does not run on CPU);
 4. search cost: trials and seconds until the search first held the oracle's config, against
    the time to measure every config (the search screens each config briefly, then races the
-   ones within noise of the leader);
+   ones within noise of the leader); and the whole search against a grid that measures every
+   config as many times as the search measured its choice (fixed repeats: the oracle's time
+   plus each config's missing steps at its measured median step time);
 7. repeatability: one workload searched three times from scratch: the same choice or the same tie?
 5. memory model accuracy: predicted vs measured peak per config;
 6. step time and peak memory against sequence length, per config (plots).
@@ -137,6 +139,7 @@ def main() -> None:
         entry = {"name": name, "workload": workload.model_dump(mode="json"), "budget": budget,
                  "oracle": oracle, "oracle_seconds": oracle_seconds, "search_seconds": search_seconds,
                  "tuned": config_key(tuned.best.config) if tuned.best else None,
+                 "tuned_measurements": tuned.best.measurements if tuned.best else None,
                  "default": config_key(pytorch_default(workload, NPROC, "cpu")), "trace": trace}
         results["workloads"].append(entry)
         print(f"{name}: tuned {entry['tuned']}, {len(trace)} trials, {time.monotonic() - t0:.0f}s", flush=True)

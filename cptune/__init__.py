@@ -1,14 +1,15 @@
 """cptune: context parallelism for PyTorch that validates its inputs, runs on CPU and GPU, and tunes itself.
 
 Main API:
-- :class:`CPConfig`: one context-parallel configuration (rotate method, mesh shape, SDPA backend,
-  load balancing).
+- :class:`CPConfig`: one context-parallel configuration (strategy: ring, Ulysses or hybrid; rotate
+  method, mesh shape, SDPA backend, load balancing).
 - :func:`context_parallel`: context manager / decorator that shards sequence buffers and runs
-  every SDPA call inside as ring attention over the CP ranks.
+  every SDPA call inside as context-parallel attention over the CP ranks.
 - :func:`unshard`: the full tensors back, in original order.
 - :func:`shift_labels` / :func:`num_items_in_batch`: next-token labels shifted before sharding,
   and the loss divisor that makes a summed loss the exact single-device mean.
-- :data:`RING_ATTENTION_OPS`: the ring attention op, for selective activation checkpointing.
+- :data:`RING_ATTENTION_OPS` / :data:`ULYSSES_OPS`: the ring attention op and Ulysses' all-to-alls,
+  for selective activation checkpointing policies.
 - ``cptune.hf.enable(model)``: transformers models under CP (optional module).
 - :func:`search`: measure configurations on real ranks, return the fastest that fits in memory.
 - :func:`load_recipe` / :class:`Recipe`: the search's result as a torchrun recipe file.
@@ -17,6 +18,7 @@ Main API:
 
 from ._loss import shift_labels
 from ._torch_cp import RING_ATTENTION_OPS
+from ._ulysses import ULYSSES_OPS
 from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, unshard
 from .errors import CPTuneError, Problem, ValidationError
@@ -33,6 +35,7 @@ __all__ = [
     "RING_ATTENTION_OPS",
     "Recipe",
     "SearchResult",
+    "ULYSSES_OPS",
     "ValidationError",
     "Workload",
     "context_parallel",

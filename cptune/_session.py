@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-from . import _loss, _sharding, _torch_cp
+from . import _loss, _sharding, _torch_cp, _ulysses
 from .config import CPConfig
 from .errors import CPTuneError, Problem, ValidationError, raise_if
 from .validate import BufferPlan, check_buffers, check_sdpa_call, pick_backend
@@ -108,8 +108,11 @@ class _Session:
 
     def __init__(self, config: CPConfig, causal: bool, recipe: Any = None) -> None:
         self.config, self.causal, self.recipe = config, causal, recipe
-        self.dp = self.cp = 1
+        self.dp = self.cp = self.ulysses = self.ring = 1
         self.cp_rank = self.dp_rank = 0
+        self.ulysses_group: dist.ProcessGroup | None = None  # ranks that trade heads (Ulysses / hybrid)
+        self.ring_group: dist.ProcessGroup | None = None  # ranks that pass key/value blocks round (ring / hybrid)
+        self.ulysses_rank = 0
         self.mesh: DeviceMesh | None = None
         self.cp_mesh: DeviceMesh | None = None
         self.group: dist.ProcessGroup | None = None
@@ -127,17 +130,19 @@ class _Session:
     def start(self, mesh: DeviceMesh | None, buffers: Any, seq_dims: Any, no_restore: Sequence[Any],
               inplace: bool) -> _Session:
         problems = self._resolve_mesh(mesh, _first_device_type(buffers))
+        problems += self.config.degree_problems(self.cp)
+        self.ulysses, self.ring = self.config.degrees(self.cp) if not problems else (1, self.cp)
         if self.recipe is not None:
             problems += self._recipe_problems()
         self.plan, buffer_problems = check_buffers(
             buffers, seq_dims, cp=self.cp, load_balance=self.config.load_balance, causal=self.causal,
-            device_type=self.device_type, no_restore=no_restore)
+            device_type=self.device_type, no_restore=no_restore, ring=self.ring)
         problems += buffer_problems
         if self.plan.seq_len is None:
-            self.plan.load_balance = self.config.load_balance_for(self.causal)
+            self.plan.load_balance = self.config.load_balance_for(self.causal, self.cp)
         dtype = next((t.dtype for t in self.plan.tensors if t.is_floating_point()), None)
         if self.config.sdpa_backend is not None:
-            problems += pick_backend(self.backends, self.device_type, dtype, ring=self.cp > 1)[1]
+            problems += pick_backend(self.backends, self.device_type, dtype, ring=self.ring > 1)[1]
         raise_if(problems)  # nothing has been communicated or changed yet
         if self.cp > 1:
             problem = _torch_cp.support_problem()
@@ -223,11 +228,18 @@ class _Session:
         if self.cp_mesh is not None:
             self.group = self.cp_mesh.get_group()
             self.cp_rank = self.cp_mesh.get_local_rank()
+            self.ulysses_rank = self.cp_rank % self.ulysses
+            if self.ulysses == self.cp:
+                self.ulysses_group = self.group
+            elif self.ulysses == 1:
+                self.ring_group = self.group
+            else:
+                self.ulysses_group, self.ring_group = _ulysses.hybrid_groups(self.mesh or self.cp_mesh, self.cp,
+                                                                                  self.ulysses)
         if self.mesh is not None and self.mesh.ndim == 2:
             self.dp_rank = self.mesh.get_local_rank(0)
 
     def _shard(self, no_restore: Sequence[Any], inplace: bool) -> None:
-        lb = self.plan.load_balance
         for name, t, dim in zip(self.plan.names, self.plan.tensors, self.plan.dims):
             if self.cp == 1:
                 self.shards[name] = t
@@ -236,11 +248,11 @@ class _Session:
                 self._grad_buffers[id(t)] = (t, dim)
                 self.shards[name] = self._local(t) if not inplace else t
             elif not inplace:
-                self.shards[name] = _sharding.shard(t, dim, self.cp, self.cp_rank, lb)
+                self.shards[name] = _sharding.shard(t, dim, self.layout, self.cp_rank)
             else:
                 with torch.no_grad():
                     saved = t.detach()
-                    t.set_(_sharding.shard(t, dim, self.cp, self.cp_rank, lb))
+                    t.set_(_sharding.shard(t, dim, self.layout, self.cp_rank))
                 if not any(t is x for x in no_restore):
                     self._restores.append((name, t, saved, _torch_cp.use_count(t)))
                 self.shards[name] = t
@@ -250,7 +262,11 @@ class _Session:
         entry = self._grad_buffers.get(id(t)) if isinstance(t, torch.Tensor) else None
         if entry is None or entry[0] is not t:
             return t
-        return _sharding.ShardWithGrad.apply(t, entry[1], self.group, self.cp, self.cp_rank, self.plan.load_balance)
+        return _sharding.ShardWithGrad.apply(t, entry[1], self.group, self.layout, self.cp_rank)
+
+    @property
+    def layout(self) -> _sharding.Layout:
+        return _sharding.Layout(self.cp, self.ring, self.plan.load_balance)
 
     def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
@@ -258,13 +274,32 @@ class _Session:
         full = self.plan.seq_len
         raise_if(check_sdpa_call(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                  enable_gqa=enable_gqa, causal=self.causal,
-                                 local_len=full // self.cp if full else None, full_len=full))
-        backend = self._ring_backend(q.device.type, q.dtype)
-        if q.shape[1] != k.shape[1]:  # grouped-query attention: give every query head its kv head
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        return _torch_cp.ring_attention(q, k, v, self.group, backend, is_causal, scale,
-                                        self.config.rotate_method, self.plan.load_balance)
+                                 local_len=full // self.cp if full else None, full_len=full,
+                                 strategy=self.config.strategy, ulysses=self.ulysses))
+        if self.ulysses > 1:
+            replicas = _ulysses.kv_replication(q.shape[1], k.shape[1], self.ulysses)
+            if replicas > 1:
+                if not torch.compiler.is_compiling() and (not dist.is_initialized() or dist.get_rank() == 0):
+                    warnings.warn(f"cptune: {k.shape[1]} key/value heads do not divide among {self.ulysses} Ulysses "
+                                  f"ranks; each is sent {replicas} times (use a Ulysses degree that divides the "
+                                  "key/value heads to avoid it)", CPTuneWarning, stacklevel=3)
+                k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
+            q, k, v = (_ulysses.seq_to_heads(t, self.ulysses_group, self.ulysses) for t in (q, k, v))
+            if attn_mask is not None and attn_mask.ndim >= 3 and attn_mask.shape[-3] > 1:  # per-head mask
+                heads = q.shape[1]
+                attn_mask = attn_mask.narrow(-3, self.ulysses_rank * heads, heads)
+        if self.ring > 1:
+            backend = self._ring_backend(q.device.type, q.dtype)
+            out = _torch_cp.ring_attention(q, k, v, self.ring_group, backend, is_causal, scale,
+                                           self.config.rotate_method, self.plan.load_balance)
+        else:
+            if q.shape[1] != k.shape[1]:  # expanded here, after the all-to-all: the CPU flash kernel has no GQA
+                groups = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            # the aten op: below torch-function modes, so _SDPAMode does not send it back here
+            out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, dropout_p, is_causal,
+                                                                      scale=scale)
+        return _ulysses.heads_to_seq(out, self.ulysses_group, self.ulysses) if self.ulysses > 1 else out
 
     def _ring_backend(self, device_type: str, dtype: torch.dtype) -> str:
         # No cache: a side effect here would break torch.compile inside checkpointed regions.
@@ -328,7 +363,7 @@ class _Session:
         if self.cp == 1:
             out = [t.detach() for t in items]
         else:
-            out = [_sharding.gather(t.detach(), d % t.ndim, self.group, self.cp, self.plan.load_balance)
+            out = [_sharding.gather(t.detach(), d % t.ndim, self.group, self.layout)
                    for t, d in zip(items, dims)]
         return out[0] if single else out
 

@@ -3,48 +3,72 @@
 Without load balancing rank r holds the r-th of ``cp`` equal chunks. With load balancing
 (head-tail, the layout PyTorch's ring attention expects) the sequence is cut into ``2*cp``
 chunks and rank r holds chunks r and 2*cp-1-r, so every rank gets the same amount of causal
-work.
+work. Under Ulysses the sequence is split in order; under the hybrid, see :class:`Layout`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-def local_indices(seq_len: int, cp: int, rank: int, load_balance: bool, device: torch.device) -> torch.Tensor:
-    """Positions of the full sequence that rank ``rank`` holds, in its local order."""
-    if load_balance:
-        chunk = seq_len // (2 * cp)
-        head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-        tail_start = (2 * cp - 1 - rank) * chunk
-        tail = torch.arange(tail_start, tail_start + chunk, device=device)
-        return torch.cat([head, tail])
-    chunk = seq_len // cp
-    return torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+@dataclass(frozen=True)
+class Layout:
+    """How the sequence is split: over ``cp`` ranks, in ``ring`` ring shards (cp / ring ranks each).
+
+    The ring shards follow the ring's layout (head-tail under load balancing); each is cut in
+    order into cp / ring pieces, one per rank of a Ulysses group, so a Ulysses all-to-all
+    inside the group puts the ring shard back together. Ring: ring == cp; Ulysses: ring == 1.
+    """
+
+    cp: int
+    ring: int
+    load_balance: bool
+
+    def indices(self, seq_len: int, rank: int, device: torch.device) -> torch.Tensor:
+        """Positions of the full sequence that CP rank ``rank`` holds, in its local order."""
+        ulysses = self.cp // self.ring
+        ring_rank, piece = divmod(rank, ulysses)
+        if self.load_balance:
+            chunk = seq_len // (2 * self.ring)
+            head = torch.arange(ring_rank * chunk, (ring_rank + 1) * chunk, device=device)
+            tail_start = (2 * self.ring - 1 - ring_rank) * chunk
+            positions = torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])
+        else:
+            chunk = seq_len // self.ring
+            positions = torch.arange(ring_rank * chunk, (ring_rank + 1) * chunk, device=device)
+        size = seq_len // self.cp
+        return positions[piece * size:(piece + 1) * size]
+
+    @property
+    def contiguous(self) -> bool:
+        return not (self.load_balance and self.ring > 1)
 
 
-def shard(t: torch.Tensor, dim: int, cp: int, rank: int, load_balance: bool) -> torch.Tensor:
+def shard(t: torch.Tensor, dim: int, layout: Layout, rank: int) -> torch.Tensor:
     """This rank's part of ``t`` along ``dim`` (a copy, contiguous)."""
     seq_len = t.shape[dim]
-    if not load_balance:
-        return t.narrow(dim, rank * (seq_len // cp), seq_len // cp).contiguous()
-    return t.index_select(dim, local_indices(seq_len, cp, rank, True, t.device))
+    if layout.contiguous:
+        size = seq_len // layout.cp
+        return t.narrow(dim, rank * size, size).contiguous()
+    return t.index_select(dim, layout.indices(seq_len, rank, t.device))
 
 
-def gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, cp: int, load_balance: bool) -> torch.Tensor:
+def gather(t: torch.Tensor, dim: int, group: dist.ProcessGroup, layout: Layout) -> torch.Tensor:
     """All ranks' shards of ``t`` along ``dim``, put back in original sequence order."""
     t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(cp)]
+    parts = [torch.empty_like(t) for _ in range(layout.cp)]
     dist.all_gather(parts, t, group=group)
-    if not load_balance:
+    if layout.contiguous:
         return torch.cat(parts, dim=dim)
-    seq_len = t.shape[dim] * cp
+    seq_len = t.shape[dim] * layout.cp
     shape = list(t.shape)
     shape[dim] = seq_len
     full = t.new_empty(shape)
     for r, part in enumerate(parts):
-        full.index_copy_(dim, local_indices(seq_len, cp, r, True, t.device), part)
+        full.index_copy_(dim, layout.indices(seq_len, r, t.device), part)
     return full
 
 
@@ -57,11 +81,11 @@ class ShardWithGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, t, dim, group, cp, rank, load_balance):
-        ctx.args = (dim, group, cp, load_balance)
-        return shard(t, dim, cp, rank, load_balance)
+    def forward(ctx, t, dim, group, layout, rank):
+        ctx.args = (dim, group, layout)
+        return shard(t, dim, layout, rank)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, group, cp, load_balance = ctx.args
-        return gather(grad, dim, group, cp, load_balance) / cp, None, None, None, None, None
+        dim, group, layout = ctx.args
+        return gather(grad, dim, group, layout) / layout.cp, None, None, None, None

@@ -8,7 +8,6 @@ feature detection, so a torch release that moves things costs this one file:
 * ``_templated_ring_attention`` / ``_templated_ring_attention_backward``: the ring
   algorithm (rotation, load-balanced causal blocks, log-sum-exp merging) over any SDPA op
   that returns ``(out, logsumexp, ...)``;
-* the CUDA ring wrappers for the flash / efficient / cuDNN kernels;
 * ``_cp_options``: the process-global rotate method and load-balance flag, which the ring
   functions read while they run. cptune never leaves them changed: :func:`cp_options`
   sets them for the duration of one ring call (forward or backward) and restores them.
@@ -16,8 +15,10 @@ feature detection, so a torch release that moves things costs this one file:
 On top of that this module adds, in this order:
 
 1. the CPU ring backend: ring attention over ``aten._scaled_dot_product_flash_attention_for_cpu``
-   (and its backward), which PyTorch's own dispatcher has no sharding rule for, beside
-   thin adapters for torch's CUDA ring wrappers (one :class:`RingBackend` per kernel);
+   (and its backward), which PyTorch's own dispatcher has no sharding rule for, and the CUDA
+   flash / efficient / cuDNN kernels called as torch's ring wrappers call them (one
+   :class:`RingBackend` per kernel). Grouped-query key/value travel the ring with their own
+   head count and are expanded per block, inside the kernel call;
 2. the ``cptune::ring_attention`` custom op and its backward op, with the configuration as
    arguments, so an activation checkpoint's recompute, ``torch.compile`` and a backward after
    the ``with`` block all run the ring as it ran at forward time; :func:`ring_attention` is
@@ -139,80 +140,106 @@ class RingBackend:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-class _GroupMesh:
-    """The one method of DeviceMesh that torch's ring wrappers call."""
+def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    groups = query.shape[1] // key.shape[1]
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self._group = group
 
-    def get_group(self, *args: Any, **kwargs: Any) -> dist.ProcessGroup:
-        return self._group
+def _gqa(op: Callable[..., Any]) -> Callable[..., Any]:
+    """A forward kernel for key/value with fewer heads than the query: expanded per block, never on the wire."""
+
+    def call(query, key, value, **kwargs):  # torch's ring passes q, k, v by position
+        key, value = _expand_kv(query, key, value)
+        return op(query, key, value, **kwargs)
+
+    return call
+
+
+def _gqa_backward(op: Callable[..., Any]) -> Callable[..., Any]:
+    """The backward kernel likewise; key/value grads are summed back onto their own heads (float32)."""
+
+    def call(*, query, key, value, **kwargs):
+        key_heads = key.shape[1]
+        key, value = _expand_kv(query, key, value)
+        dq, dk, dv, *rest = op(query=query, key=key, value=value, **kwargs)
+        if dk.shape[1] != key_heads:
+            dk = dk.unflatten(1, (key_heads, -1)).sum(2, dtype=torch.float32)
+            dv = dv.unflatten(1, (key_heads, -1)).sum(2, dtype=torch.float32)
+        return (dq, dk, dv, *rest)
+
+    return call
+
+
+def _ring_fwd(group, op, **kwargs):
+    return _cp._templated_ring_attention(group, 2, _gqa(op), **kwargs)
+
+
+def _ring_bwd(group, op, grad_out, grad_out_name="grad_out", **kwargs):
+    return _cp._templated_ring_attention_backward(group, 2, _gqa_backward(op), grad_out=grad_out.contiguous(),
+                                                 grad_out_name=grad_out_name, **kwargs)[:3]
+
+
+# The calls below mirror torch's own ring wrappers (``_scaled_dot_product_ring_*_attention``)
+# with the kernel wrapped for grouped-query key/value.
 
 
 def _cpu_flash_forward(group, q, k, v, is_causal, scale):
-    out, lse = _cp._templated_ring_attention(
-        group, 2, aten._scaled_dot_product_flash_attention_for_cpu.default,
-        query=q, key=k, value=v, is_causal=is_causal, dropout_p=0.0, scale=scale,
-    )[:2]
+    out, lse = _ring_fwd(group, aten._scaled_dot_product_flash_attention_for_cpu.default, query=q, key=k, value=v,
+                     is_causal=is_causal, dropout_p=0.0, scale=scale)[:2]
     return out, (lse,)
 
 
 def _cpu_flash_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     (lse,) = saved
-    dq, dk, dv = _cp._templated_ring_attention_backward(
-        group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-        grad_out=grad_out.contiguous(), grad_out_name="grad_out",
-        query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal,
-        dropout_p=0.0, scale=scale,
-    )[:3]
-    return dq, dk, dv
+    return _ring_bwd(group, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out,
+                          query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal, dropout_p=0.0,
+                          scale=scale)
 
 
 def _cuda_flash_forward(group, q, k, v, is_causal, scale):
-    res = _cp._scaled_dot_product_ring_flash_attention(
-        _GroupMesh(group), q, k, v, dropout_p=0.0, is_causal=is_causal, scale=scale
-    )
+    res = _ring_fwd(group, aten._scaled_dot_product_flash_attention, query=q, key=k, value=v, is_causal=is_causal,
+                dropout_p=0.0, scale=scale)
     # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
     return res[0], tuple(res[1:8])
 
 
 def _cuda_flash_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
-    return _cp._scaled_dot_product_ring_flash_attention_backward(
-        _GroupMesh(group), grad_out.contiguous(), q, k, v, out, lse, cum_q, cum_k, max_q, max_k,
-        0.0, is_causal, seed, offset, scale=scale,
-    )[:3]
+    return _ring_bwd(group, aten._scaled_dot_product_flash_attention_backward.default, grad_out,
+                          query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal, cum_seq_q=cum_q,
+                          cum_seq_k=cum_k, max_q=max_q, max_k=max_k, dropout_p=0.0, philox_seed=seed,
+                          philox_offset=offset, scale=scale)
 
 
 def _cuda_efficient_forward(group, q, k, v, is_causal, scale):
-    res = _cp._scaled_dot_product_ring_efficient_attention(
-        _GroupMesh(group), q, k, v, None, True, 0.0, is_causal, scale=scale
-    )
+    res = _ring_fwd(group, aten._scaled_dot_product_efficient_attention, query=q, key=k, value=v, is_causal=is_causal,
+                attn_bias=None, dropout_p=0.0, scale=scale, compute_log_sumexp=True)
     return res[0], tuple(res[1:4])  # (lse, philox_seed, philox_offset)
 
 
 def _cuda_efficient_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     lse, seed, offset = saved
-    return _cp._scaled_dot_product_ring_efficient_attention_backward(
-        _GroupMesh(group), grad_out.contiguous(), q, k, v, None, out, lse, seed, offset, 0.0,
-        (True, True, True, False), is_causal, scale=scale,
-    )[:3]
+    return _ring_bwd(group, aten._scaled_dot_product_efficient_attention_backward.default, grad_out,
+                          "grad_out_", query=q, key=k, value=v, attn_bias=None, out=out, logsumexp=lse,
+                          philox_seed=seed, philox_offset=offset, dropout_p=0.0,
+                          grad_input_mask=(True, True, True, False), is_causal=is_causal, scale=scale)
 
 
 def _cuda_cudnn_forward(group, q, k, v, is_causal, scale):
-    res = _cp._scaled_dot_product_ring_cudnn_attention(
-        _GroupMesh(group), q, k, v, None, True, 0.0, is_causal, False, scale=scale
-    )
+    res = _ring_fwd(group, aten._scaled_dot_product_cudnn_attention, query=q, key=k, value=v, attn_bias=None,
+                compute_log_sumexp=True, dropout_p=0.0, is_causal=is_causal, return_debug_mask=False, scale=scale)
     # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
     return res[0], tuple(res[1:8])
 
 
 def _cuda_cudnn_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
-    return _cp._scaled_dot_product_ring_cudnn_attention_backward(
-        _GroupMesh(group), grad_out.contiguous(), q, k, v, out, lse, seed, offset, None,
-        cum_q, cum_k, max_q, max_k, 0.0, is_causal, scale=scale,
-    )[:3]
+    return _ring_bwd(group, aten._scaled_dot_product_cudnn_attention_backward.default, grad_out,
+                          query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed, philox_offset=offset,
+                          attn_bias=None, cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q, max_k=max_k,
+                          dropout_p=0.0, is_causal=is_causal, scale=scale)
 
 
 _RING_BACKENDS = {
@@ -221,10 +248,10 @@ _RING_BACKENDS = {
     ("cuda", "efficient"): RingBackend("efficient", _cuda_efficient_forward, _cuda_efficient_backward),
     ("cuda", "cudnn"): RingBackend("cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward),
 }
-_CUDA_WRAPPERS = {
-    "flash": "_scaled_dot_product_ring_flash_attention",
-    "efficient": "_scaled_dot_product_ring_efficient_attention",
-    "cudnn": "_scaled_dot_product_ring_cudnn_attention",
+_CUDA_KERNELS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
 }
 
 
@@ -237,9 +264,9 @@ def ring_backend_problem(device_type: str, backend: str, dtype: torch.dtype) -> 
     if device_type == "cuda":
         if not torch.cuda.is_available():
             return "CUDA is not available in this process"
-        wrapper = _CUDA_WRAPPERS[backend]
-        if _cp is None or not hasattr(_cp, wrapper) or not hasattr(_cp, wrapper + "_backward"):
-            return f"torch {torch.__version__} has no ring wrapper for the {backend} kernel"
+        kernel = _CUDA_KERNELS[backend]
+        if not hasattr(aten, kernel) or not hasattr(aten, kernel + "_backward"):
+            return f"torch {torch.__version__} has no {backend} attention kernel"
         half = dtype in (torch.float16, torch.bfloat16)
         if backend == "flash" and not (half and torch.backends.cuda.is_flash_attention_available()):
             return "flash attention needs float16/bfloat16 and a GPU that supports it"
@@ -287,9 +314,7 @@ def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
     group = dist.distributed_c10d._resolve_process_group(group_name)
     with cp_options(rotate_method, load_balance and is_causal):
         out, saved = ring_backend(q.device.type, backend).forward(group, q, k, v, is_causal, scale)
-    if torch._C._current_graph_task_id() == -1:  # not inside a backward pass
-        for listener in _FORWARD_LISTENERS:
-            listener()
+    notify_forward()
     return _fresh(out), _fresh(saved[0].contiguous())
 
 
@@ -337,6 +362,13 @@ RING_ATTENTION_OPS = (torch.ops.cptune.ring_attention.default,)
 """The ring attention op, e.g. for a selective activation-checkpointing policy's save list."""
 
 _FORWARD_LISTENERS: list[Callable[[], None]] = []
+
+
+def notify_forward() -> None:
+    """Tell the listeners a CP attention forward ran, unless it is a recompute inside a backward pass."""
+    if torch._C._current_graph_task_id() == -1:
+        for listener in _FORWARD_LISTENERS:
+            listener()
 
 
 @contextlib.contextmanager

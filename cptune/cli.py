@@ -302,7 +302,10 @@ def show(recipe_path, as_json) -> None:
     m, p = recipe.metrics, recipe.provenance
     click.echo(recipe.header(recipe_path).rstrip())
     click.echo(f"workload : {recipe.workload.describe()}")
-    click.echo(f"config   : {recipe.config.label()}")
+    c = recipe.config
+    cp_ranks = c.mesh_shape[1] if c.mesh_shape else recipe.launch.world_size
+    click.echo(f"config   : {c.label()}" + ("" if cp_ranks == 1 else f"  (strategy {c.strategy}"
+               + (f", ulysses_degree {c.ulysses_degree}" if c.ulysses_degree else "") + ")"))
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
                f"script {recipe.launch.script or '(give one after --)'}")
     click.echo("measured : " + (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "

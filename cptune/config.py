@@ -11,9 +11,10 @@ from typing import Any, Literal, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .errors import Problem, ValidationError
+from .errors import Problem, ProblemError, ValidationError
 
 RotateMethod = Literal["allgather", "alltoall"]
+Strategy = Literal["ring", "ulysses", "hybrid"]
 SDPABackendName = Literal["flash", "efficient", "cudnn", "math"]
 SDPA_BACKENDS: tuple[str, ...] = ("flash", "efficient", "cudnn", "math")
 
@@ -88,6 +89,43 @@ class CPConfig(StrictModel):
     )
     """Head-tail load balancing of causal attention. 'auto': on for causal, off otherwise."""
 
+    strategy: Strategy = Field(
+        "ring", json_schema_extra={"fix": "use strategy='ring', 'ulysses' or 'hybrid'"}
+    )
+    """How attention crosses the CP ranks.
+
+    'ring': key/value blocks travel round the ranks (``rotate_method`` says how); any number of
+    heads. 'ulysses': two all-to-alls turn sequence shards into head shards, so each rank
+    attends over the whole sequence for cp-th of the heads (query heads must divide by cp);
+    attention masks, dropout and the math kernel work there. 'hybrid': cp = ulysses_degree x
+    ring degree, Ulysses inside groups of ``ulysses_degree`` neighbouring ranks and a ring
+    across the groups (USP).
+    """
+
+    ulysses_degree: int | None = Field(
+        None,
+        json_schema_extra={"fix": "give ulysses_degree >= 2 with strategy='hybrid', and leave it unset otherwise"},
+    )
+    """Ranks per Ulysses group under 'hybrid' (the ring degree is cp / ulysses_degree)."""
+
+    @pydantic.model_validator(mode="after")
+    def _strategy_fields(self) -> CPConfig:
+        problems = []
+        if self.strategy == "hybrid" and (self.ulysses_degree is None or self.ulysses_degree < 2):
+            problems.append(Problem("config.ulysses_degree", f"is {self.ulysses_degree!r} with strategy='hybrid'",
+                                    "give ulysses_degree >= 2 (cp = ulysses_degree x ring degree), or use "
+                                    "strategy='ulysses' or 'ring'"))
+        if self.strategy != "hybrid" and self.ulysses_degree is not None:
+            problems.append(Problem("config.ulysses_degree", f"is set but strategy is {self.strategy!r}",
+                                    "drop ulysses_degree, or use strategy='hybrid'"))
+        if self.strategy == "ulysses" and self.load_balance is True:
+            problems.append(Problem("config.load_balance", "is True with strategy='ulysses'; every rank attends "
+                                    "over the whole sequence, so causal work is balanced without it",
+                                    "set load_balance='auto' or False (Ulysses shards the sequence in order)"))
+        if problems:
+            raise ProblemError(problems[0])
+        return self
+
     @field_validator("sdpa_backend", mode="before")
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
@@ -132,7 +170,29 @@ class CPConfig(StrictModel):
             ])
         return (dp, cp)
 
-    def load_balance_for(self, causal: bool) -> bool:
+    def degrees(self, cp: int) -> tuple[int, int]:
+        """(ulysses degree, ring degree) for a CP degree; their product is ``cp``."""
+        if cp == 1 or self.strategy == "ring":
+            return (1, cp)
+        if self.strategy == "ulysses":
+            return (cp, 1)
+        return (self.ulysses_degree, cp // self.ulysses_degree)
+
+    def degree_problems(self, cp: int) -> list[Problem]:
+        """Why this strategy's split cannot run on ``cp`` CP ranks (empty when it can)."""
+        if self.strategy != "hybrid" or cp == 1:
+            return []
+        u = self.ulysses_degree
+        if cp % u or cp // u < 2:
+            return [Problem("config.ulysses_degree", f"{u} does not split cp={cp} into Ulysses groups and a "
+                            "ring of at least 2", f"use a ulysses_degree that divides {cp} and is below it, or "
+                            f"strategy='ulysses' for all {cp} ranks")]
+        return []
+
+    def load_balance_for(self, causal: bool, cp: int | None = None) -> bool:
+        """Whether causal work is load-balanced: never under Ulysses, where nothing needs it."""
+        if cp is not None and self.degrees(cp)[1] == 1:
+            return False
         return causal if self.load_balance == "auto" else bool(self.load_balance)
 
     def label(self) -> str:
@@ -142,7 +202,13 @@ class CPConfig(StrictModel):
         if cp == 1:  # no ring: rotate method and load balancing do not apply
             return f"dp{dp}·cp1 {backend}"
         lb = {True: "lb", False: "no-lb", "auto": "lb-auto"}[self.load_balance]
-        return f"dp{dp}·cp{cp if cp > 0 else 'N'} {self.rotate_method} {lb} {backend}"
+        head = f"dp{dp}·cp{cp if cp > 0 else 'N'}"
+        if self.strategy == "ulysses":
+            return f"{head} ulysses {backend}"
+        if self.strategy == "hybrid":
+            ring = f"r{cp // self.ulysses_degree}" if cp > 0 else "ring"
+            return f"{head} hybrid u{self.ulysses_degree}×{ring} {self.rotate_method} {lb} {backend}"
+        return f"{head} {self.rotate_method} {lb} {backend}"
 
 
 ConfigLike = Union[CPConfig, dict, None]

@@ -144,7 +144,8 @@ class Recipe(StrictModel):
                                    "measured configuration"}
         try:
             patched = Recipe(**data)
-            patched.config.resolve_mesh_shape(patched.launch.world_size)
+            _, cp = patched.config.resolve_mesh_shape(patched.launch.world_size)
+            raise_if(patched.config.degree_problems(cp))
         except ValidationError as exc:
             raise ValidationError([Problem(f"override {pr.argument}", pr.message, pr.fix) for pr in exc.problems]) \
                 from None
@@ -155,7 +156,10 @@ class Recipe(StrictModel):
         import json
 
         launch = {"nnodes": self.launch.nnodes, "nproc_per_node": self.launch.nproc_per_node}
-        what = {"workload": self.workload.model_dump(mode="json"), "config": self.config.model_dump(mode="json"),
+        config = self.config.model_dump(mode="json")
+        if config["strategy"] == "ring" and config["ulysses_degree"] is None:  # recipes from before strategies
+            del config["strategy"], config["ulysses_degree"]
+        what = {"workload": self.workload.model_dump(mode="json"), "config": config,
                 "launch": launch, "provenance": self.provenance.model_dump(mode="json")}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -329,8 +333,10 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
     if world_size is not None:
         problems += world_size_problems(recipe, world_size, "--world-size")
     cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size
+    problems += recipe.config.degree_problems(cp)
+    ring = recipe.config.degrees(cp)[1] > 1 if not recipe.config.degree_problems(cp) else cp > 1
     for backend in recipe.config.sdpa_backend or ():
-        why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=cp > 1)
+        why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=ring)
         if why and (prov.device_type == "cpu" or torch.cuda.is_available()):
             problems.append(Problem("config.sdpa_backend", f"'{backend}' cannot run here: {why}", rerun))
     return problems

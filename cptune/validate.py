@@ -6,6 +6,7 @@ one :class:`~cptune.errors.ValidationError` before anything is sharded or commun
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,8 +72,10 @@ def check_buffers(
     causal: bool,
     device_type: str | None,
     no_restore: Sequence[Any] = (),
+    ring: int | None = None,
 ) -> tuple[BufferPlan, list[Problem]]:
-    """Validate buffers and their sequence dims for sharding over ``cp`` ranks."""
+    """Validate buffers and their sequence dims for sharding over ``cp`` ranks (``ring`` of them in the ring)."""
+    ring = cp if ring is None else ring
     plan = BufferPlan()
     if buffers is None and seq_dims is None:
         return plan, []
@@ -135,21 +138,23 @@ def check_buffers(
         return plan, problems
     if lengths:
         plan.seq_len = seq_len = next(iter(lengths.values()))
-        plan.load_balance = causal if load_balance == "auto" else bool(load_balance)
+        plan.load_balance = (ring > 1 or cp == 1) and (causal if load_balance == "auto" else bool(load_balance))
+        balanced = math.lcm(2 * ring, cp)  # head and tail halves of each ring shard, cut into cp / ring pieces
+        what = "2 * cp" if ring == cp else "2 * ring degree and cp"
         if seq_len % cp:
             problems.append(Problem("buffers", f"sequence length {seq_len} is not divisible by the CP degree {cp}",
-                                    f"pad the sequence to a multiple of {cp if not plan.load_balance else 2 * cp} "
+                                    f"pad the sequence to a multiple of {cp if not plan.load_balance else balanced} "
                                     "or choose a CP degree that divides it"))
-        elif plan.load_balance and cp > 1 and seq_len % (2 * cp):
+        elif plan.load_balance and seq_len % balanced:
             if load_balance is True:
                 problems.append(Problem("config.load_balance",
                                         f"load balancing needs the sequence length ({seq_len}) divisible by "
-                                        f"2 * cp = {2 * cp}",
-                                        f"pad the sequence to a multiple of {2 * cp} or set load_balance=False"))
+                                        f"{what} = {balanced}",
+                                        f"pad the sequence to a multiple of {balanced} or set load_balance=False"))
             else:
                 plan.load_balance = False
                 plan.notes.append(f"load balancing is off: sequence length {seq_len} is not divisible by "
-                                  f"2 * cp = {2 * cp} (pad to a multiple of {2 * cp} to turn it on)")
+                                  f"{what} = {balanced} (pad to a multiple of {balanced} to turn it on)")
         if plan.load_balance and not causal and load_balance is True:
             problems.append(Problem("config.load_balance", "load balancing only applies to causal attention",
                                     "set load_balance='auto' or False for non-causal attention"))
@@ -203,19 +208,23 @@ def pick_backend(backends: Sequence[str], device_type: str, dtype: torch.dtype |
 def check_sdpa_call(
     query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: float, is_causal: bool,
     enable_gqa: bool, causal: bool, local_len: int | None, full_len: int | None,
+    strategy: str = "ring", ulysses: int = 1,
 ) -> list[Problem]:
-    """Checks on one F.scaled_dot_product_attention call inside a CP block."""
+    """Checks on one F.scaled_dot_product_attention call inside a CP block (``ulysses``: its Ulysses degree)."""
     problems = []
     if is_causal != causal:
         problems.append(Problem("is_causal", f"SDPA was called with is_causal={is_causal} but the CP block was "
                                 f"declared causal={causal}",
                                 f"pass causal={is_causal} to cptune.context_parallel (or fix the SDPA call)"))
-    if attn_mask is not None:
-        problems.append(Problem("attn_mask", "an explicit attention mask cannot be sharded by ring attention",
-                                "drop attn_mask and use is_causal=True for causal masking"))
-    if dropout_p:
-        problems.append(Problem("dropout_p", f"dropout_p={dropout_p} is not supported by ring attention",
-                                "use dropout_p=0.0 inside the CP block (e.g. attention dropout 0 or model.eval())"))
+    whole = strategy == "ulysses"  # every rank attends over the whole sequence
+    if attn_mask is not None and not whole:
+        problems.append(Problem("attn_mask", f"an explicit attention mask cannot be split by {strategy} attention",
+                                "use strategy='ulysses' (it takes the mask for the whole sequence), or drop "
+                                "attn_mask and use is_causal=True for causal masking"))
+    if dropout_p and not whole:
+        problems.append(Problem("dropout_p", f"dropout_p={dropout_p} is not supported by {strategy} attention",
+                                "use strategy='ulysses', or dropout_p=0.0 inside the CP block (e.g. attention "
+                                "dropout 0 or model.eval())"))
     tensors = {"query": query, "key": key, "value": value}
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -246,4 +255,24 @@ def check_sdpa_call(
     if causal and key.shape[2] != query.shape[2]:
         problems.append(Problem("key", f"causal attention needs equal query/key lengths ({query.shape[2]} vs "
                                 f"{key.shape[2]})", "use causal=False for cross-attention"))
+    if ulysses > 1 and hq % ulysses:
+        problems.append(Problem("query", f"has {hq} heads, not divisible by the Ulysses degree {ulysses}",
+                                f"use strategy='ring', or strategy='hybrid' with a ulysses_degree that divides {hq}"))
+    if attn_mask is not None and whole:
+        problems += _mask_problems(attn_mask, query, full_len or query.shape[2] * ulysses, key.shape[2] * ulysses)
     return problems
+
+
+def _mask_problems(mask: Any, query: torch.Tensor, rows: int, key_len: int) -> list[Problem]:
+    """Under Ulysses the mask covers the whole sequence: (..., S, S_k), broadcastable to (B, H, S, S_k)."""
+    if not isinstance(mask, torch.Tensor):
+        return [Problem("attn_mask", f"is a {type(mask).__name__}", "pass a boolean or float tensor")]
+    if mask.dtype != torch.bool and mask.dtype != query.dtype:
+        return [Problem("attn_mask", f"has dtype {mask.dtype}", f"pass a boolean mask or an additive {query.dtype} one")]
+    b, h = query.shape[0], query.shape[1]
+    if mask.ndim < 2 or mask.ndim > 4 or tuple(mask.shape[-2:]) != (rows, key_len) or \
+            (mask.ndim >= 3 and mask.shape[-3] not in (1, h)) or (mask.ndim == 4 and mask.shape[0] not in (1, b)):
+        return [Problem("attn_mask", f"has shape {tuple(mask.shape)}; under Ulysses it is the mask for the whole "
+                        f"sequence", f"pass a mask of shape ({rows}, {key_len}), (B or 1, H or 1, {rows}, {key_len}) "
+                        "or anything that broadcasts to it, built for the full, unsharded sequence")]
+    return []

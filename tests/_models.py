@@ -28,7 +28,7 @@ class Block(nn.Module):
 
 
 def _sac_policy(save_ring: bool):
-    save = {torch.ops.aten.mm.default, *(cptune.RING_ATTENTION_OPS if save_ring else ())}
+    save = {torch.ops.aten.mm.default, *(cptune.RING_ATTENTION_OPS + cptune.ULYSSES_OPS if save_ring else ())}
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE

@@ -44,3 +44,31 @@ def test_report_ratios_and_search_cost():
     assert row["cp_efficiency"] == 100.0 / 120.0 and row["dp_feasible"] is False
     assert (row["hold_trials"], row["hold_seconds"]) == (2, 2.0)
     assert abs(row["mem_err_mean"] - 0.2 / 3) < 1e-9 and abs(row["mem_err_max"] - 0.1) < 1e-9
+
+
+def test_strategy_benchmark_bytes_from_shapes():
+    from benchmarks.strategies import configs_for, sent_bytes
+    from cptune.search import Workload
+
+    ring, uly = configs_for(2, "cpu")["ring alltoall"], configs_for(2, "cpu")["ulysses"]
+    gqa = Workload(seq_len=8192, heads=8, kv_heads=2, head_dim=64, batch=1)
+    # the ring moves only key/value (and their grads): 2 KV heads instead of 8 is a quarter of the bytes
+    assert sent_bytes(gqa, ring) * 4 == sent_bytes(gqa, ring, expanded=True)
+    block = 2 * 8 * 4096 * 64  # one rank's k and v, MHA, elements
+    mha = Workload(seq_len=8192, heads=8, head_dim=64, batch=1)
+    assert sent_bytes(mha, ring) == 2 * block * 4 + 2 * block * 4  # k, v twice (fp32), fp32 dk, dv round 2 ranks
+    assert sent_bytes(mha, uly) == 2 * (4 * 8 * 4096 * 64) * 4 // 2  # q, k, v, out and grads; half leaves
+
+
+def test_strategy_benchmark_runs_side_by_side(ranks):
+    from benchmarks.strategies import run_gqa, run_sweep, summary_lines
+
+    group = ranks(2)
+    results = {"command": "x", "machine": "m", "date": "d", "dtype": "float32", "total_seconds": 1,
+               "sweep": run_sweep(lambda *a: group.run(*a), 2, True, "cpu", "float32")[:1],
+               "gqa": run_gqa(lambda *a: group.run(*a), 2, True, "cpu", "float32")}
+    row = results["sweep"][0]
+    assert set(row["speed"]) == {"ring allgather", "ring alltoall", "ulysses"} and row["speed"]["ring alltoall"] == 1
+    assert all(v > 0 for v in row["speed"].values())
+    lines = summary_lines(results)
+    assert any(line.startswith("| 2 | S=2048") for line in lines) and any("| 2 | ulysses |" in line for line in lines)

@@ -23,7 +23,7 @@ def test_search_writes_recipe_resumes_and_trains_like_one_process(tmp_path):
     search = [sys.executable, "-m", "cptune", "search", "--seq-len", "512", "--nproc", "2", "--memory-budget", "4GiB",
               "--min-seconds", "0.2", "--out", "recipes/e2e.yaml", "--script", str(ROOT / "examples/train_llama_cp.py")]
     first = run(search, tmp_path)
-    assert "5 trial(s) run now" in first.stdout and "best: " in first.stdout
+    assert "6 trial(s) run now" in first.stdout and "best: " in first.stdout
     recipe = cptune.load_recipe(tmp_path / "recipes/e2e.yaml")
     assert recipe.metrics.measured and recipe.launch.nproc_per_node == 2 and recipe.workload.seq_len == 512
     again = run(search, tmp_path)

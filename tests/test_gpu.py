@@ -19,18 +19,20 @@ def test_backend_choice_on_one_gpu():
     assert name == "flash"
 
 
-def _cuda_case(backend, dtype_name):
+def _cuda_case(backend, dtype_name, kv_heads=8, **strategy):
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
-    qkv = [torch.randn(1, 8, 8192, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+    qkv = [torch.randn(1, h, 8192, 64, device=device, dtype=dtype, requires_grad=True) for h in (8, kv_heads, kv_heads)]
+    gqa = {"enable_gqa": kv_heads != 8}
     ref = [t.detach().float().requires_grad_() for t in qkv]
-    expected = F.scaled_dot_product_attention(*ref, is_causal=True)
+    expected = F.scaled_dot_product_attention(*ref, is_causal=True, **gqa)
     expected.square().mean().backward()
     low = [t.detach().clone().requires_grad_() for t in qkv]
-    F.scaled_dot_product_attention(*low, is_causal=True).float().square().mean().backward()
-    with cptune.context_parallel(buffers=qkv, seq_dims=[2, 2, 2], config=cptune.CPConfig(sdpa_backend=backend)) as cp:
-        out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+    F.scaled_dot_product_attention(*low, is_causal=True, **gqa).float().square().mean().backward()
+    config = cptune.CPConfig(sdpa_backend=backend, **strategy)
+    with cptune.context_parallel(buffers=qkv, seq_dims=[2, 2, 2], config=config) as cp:
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True, **gqa)
     out.float().square().mean().backward()
     return {"out": max_err(cp.unshard(out, 2), expected),
             "grads": [max_err(t.grad, r.grad) for t, r in zip(qkv, ref)],
@@ -44,6 +46,23 @@ def test_ring_on_two_gpus(backend, dtype):
         pytest.skip(f"{backend} not available here")
     with WorkerGroup(2, device="cuda", timeout=300) as group:
         for r in group.run(_cuda_case, backend, dtype):
+            for cp_err, single in zip(r["grads"], r["single_grads"]):
+                assert cp_err <= 2 * single + 1e-6, r
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("strategy", [{}, {"strategy": "ulysses"}])
+def test_gqa_ring_and_ulysses_on_two_gpus(strategy):
+    with WorkerGroup(2, device="cuda", timeout=300) as group:
+        for r in group.run(_cuda_case, None, "bfloat16", 2, **strategy):
+            for cp_err, single in zip(r["grads"], r["single_grads"]):
+                assert cp_err <= 2 * single + 1e-6, r
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_hybrid_on_four_gpus():
+    with WorkerGroup(4, device="cuda", timeout=300) as group:
+        for r in group.run(_cuda_case, None, "bfloat16", 2, strategy="hybrid", ulysses_degree=2):
             for cp_err, single in zip(r["grads"], r["single_grads"]):
                 assert cp_err <= 2 * single + 1e-6, r
 

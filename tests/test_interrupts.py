@@ -34,7 +34,7 @@ def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, co
         line = proc.stderr.readline()
         assert line, "search ended before a trial finished: " + "".join(seen)
         seen.append(line)
-        if "1/5" in line:
+        if "1/6" in line:
             break
     storage = f"sqlite:///{tmp_path / 's.db'}"
     deadline = time.monotonic() + 30
@@ -64,9 +64,9 @@ def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, co
 
     resumed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"{5 - before} trial(s) run now" in resumed.stdout  # the interrupted one is measured again
+    assert f"{6 - before} trial(s) run now" in resumed.stdout  # the interrupted one is measured again
     table = resumed.stdout.split("-----")[-1]
-    assert table.count(" yes ") == 5, resumed.stdout  # every configuration has its measurement
+    assert table.count(" yes ") == 6, resumed.stdout  # every configuration has its measurement
     assert len(interrupted) <= 1  # mid-trial (usually) it is recorded as interrupted; between trials, none is
 
 

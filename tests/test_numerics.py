@@ -15,13 +15,16 @@ FP32_TOL = 1e-5
 
 
 def _ring_case(rotate, causal, lb, dtype_name="float32", batch=2, heads=4, kv_heads=4, seq_len=48,
-               head_dim=16, scale=None, mesh_shape=None):
+               head_dim=16, scale=None, mesh_shape=None, strategy="ring", ulysses_degree=None, mask=None,
+               backend=None):
     dtype = getattr(torch, dtype_name)
     world = dist.get_world_size()
     cp = mesh_shape[1] if mesh_shape else world
     replica = dist.get_rank() // cp  # the dp replica: each has its own data
     qkv, grad = make_qkv(100 + replica, batch, heads, kv_heads, seq_len, head_dim)
     kwargs = {"is_causal": causal, "scale": scale, "enable_gqa": kv_heads != heads}
+    if mask is not None:
+        kwargs["attn_mask"] = mask(seq_len, heads)
     ref_out, ref_grads = reference(qkv, grad, **kwargs)
     result = {}
     if dtype != torch.float32:  # what plain single-device attention loses at this dtype
@@ -30,7 +33,8 @@ def _ring_case(rotate, causal, lb, dtype_name="float32", batch=2, heads=4, kv_he
         result["single_grads"] = [max_err(a, b) for a, b in zip(low_grads, ref_grads)]
     leaves = [t.to(dtype).requires_grad_() for t in qkv]
     g = grad.to(dtype)
-    config = cptune.CPConfig(rotate_method=rotate, load_balance=lb, mesh_shape=mesh_shape)
+    config = cptune.CPConfig(rotate_method=rotate, load_balance=lb, mesh_shape=mesh_shape, strategy=strategy,
+                             ulysses_degree=ulysses_degree, sdpa_backend=backend)
     with cptune.context_parallel(buffers=[*leaves, g], seq_dims=[2, 2, 2, 2], config=config, causal=causal,
                                  no_restore=[g]) as ctx:
         out = F.scaled_dot_product_attention(*leaves, **kwargs)

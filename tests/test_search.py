@@ -22,10 +22,13 @@ def test_mesh_shapes_and_space():
     causal = all_configs(Workload(seq_len=4096), 2, "cpu")
     assert sorted(config_key(c) for c in causal) == [
         "dp1-cp2-allgather-lb-flash", "dp1-cp2-allgather-nolb-flash", "dp1-cp2-alltoall-lb-flash",
-        "dp1-cp2-alltoall-nolb-flash", "dp2-cp1-allgather-nolb-flash"]
+        "dp1-cp2-alltoall-nolb-flash", "dp1-cp2-ulysses-flash", "dp2-cp1-allgather-nolb-flash"]
     full = all_configs(Workload(seq_len=4096, causal=False), 2, "cpu")
-    assert len(full) == 3 and not any(c.load_balance for c in full)
-    assert len(all_configs(Workload(seq_len=4096), 4, "cpu")) == 9  # cp4: 4, cp2: 4, cp1: 1
+    assert len(full) == 4 and not any(c.load_balance for c in full)
+    four = all_configs(Workload(seq_len=4096), 4, "cpu")
+    assert len(four) == 15  # cp4: 4 ring, 1 Ulysses, 4 hybrid 2x2; cp2: 4 ring, 1 Ulysses; cp1: 1
+    assert "dp1-cp4-hybrid2-alltoall-lb-flash" in {config_key(c) for c in four}
+    assert len(all_configs(Workload(seq_len=4096, heads=6), 4, "cpu")) == 14  # 6 heads: no Ulysses over 4 ranks
 
 
 def test_invalid_configs_say_why():
@@ -34,6 +37,10 @@ def test_invalid_configs_say_why():
     assert "not divisible by cp=4" in invalid_reason(w, lb4, "cpu")
     lb2 = cptune.CPConfig(mesh_shape=(1, 2), load_balance=True, sdpa_backend="flash")
     assert "divisible by 2*cp=4" in invalid_reason(w, lb2, "cpu")
+    uly = cptune.CPConfig(mesh_shape=(1, 4), strategy="ulysses", sdpa_backend="flash")
+    assert "6 heads do not divide among 4 Ulysses ranks" in invalid_reason(Workload(seq_len=8, heads=6), uly, "cpu")
+    hyb = cptune.CPConfig(mesh_shape=(2, 2), strategy="hybrid", ulysses_degree=2, sdpa_backend="flash")
+    assert "does not split cp=2" in invalid_reason(Workload(seq_len=8), hyb, "cpu")
     eff = cptune.CPConfig(mesh_shape=(1, 2), load_balance=False, sdpa_backend="efficient")
     assert "no 'efficient' kernel on cpu" in invalid_reason(Workload(seq_len=8), eff, "cpu")
     default = pytorch_default(Workload(seq_len=4096), 2, "cpu")
@@ -63,6 +70,7 @@ STEP_TIMES = {  # config key -> (seconds per step, peak bytes); behaviour below
     "dp1-cp2-allgather-lb-flash": (1.8, 1 * GiB),     # rank 1 is killed during this trial
     "dp1-cp2-alltoall-nolb-flash": (2.0, 1 * GiB),    # raises on rank 1
     "dp1-cp2-allgather-nolb-flash": (2.2, 1 * GiB),   # hangs on rank 0
+    "dp1-cp2-ulysses-flash": (1.7, 1 * GiB),
 }
 
 
@@ -102,7 +110,7 @@ def test_finds_known_best_respects_budget_and_resumes(study_env):
     first = _search(storage, n_trials=2)
     assert first.evaluated_now == 2 and not first.complete
     second = _search(storage)
-    assert second.evaluated_now == 3 and second.complete
+    assert second.evaluated_now == 4 and second.complete
     measured = log.read_text().split()
     assert sorted(measured) == sorted(STEP_TIMES)  # every config once: none repeated on resume
     assert second.best.config.label() == "dp1·cp2 alltoall lb flash"
@@ -111,7 +119,7 @@ def test_finds_known_best_respects_budget_and_resumes(study_env):
     # A fresh rank's memory (measured) plus the trial's 3 GiB rise over its starting point.
     assert dp.state == "infeasible" and re.search(r"measured peak 3\.\d\dGiB \+ 5% margin > budget 2\.00GiB", dp.reason)
     third = _search(storage)
-    assert third.evaluated_now == 0 and len(log.read_text().split()) == 5
+    assert third.evaluated_now == 0 and len(log.read_text().split()) == 6
     study = optuna.load_study(study_name=second.study_name, storage=storage)
     attrs = study.trials[0].user_attrs
     assert {"config", "tokens_per_s", "peak_bytes", "predicted_bytes", "feasible"} <= set(attrs)
@@ -122,7 +130,7 @@ def test_survives_a_failing_a_killed_and_a_hanging_trial(study_env, monkeypatch)
     monkeypatch.setenv("CPTUNE_TEST_FAULTS", "1")
     result = _search(storage, trial_timeout=8)
     by_key = {config_key(r.config): r for r in result.trials}
-    assert result.complete and len(by_key) == 5
+    assert result.complete and len(by_key) == 6
     assert by_key["dp1-cp2-alltoall-nolb-flash"].state == "failed"
     assert "rank 1: ValueError: injected failure" in by_key["dp1-cp2-alltoall-nolb-flash"].reason
     assert "died" in by_key["dp1-cp2-allgather-lb-flash"].reason
@@ -137,7 +145,7 @@ def test_invalid_configs_are_never_run(study_env):
                            memory_budget="2GiB", settings=MeasureSettings(min_seconds=0))
     # Each valid config once: their steps do not vary, so no range overlaps the leader's (no race).
     assert sorted(log.read_text().split()) == ["dp1-cp2-allgather-nolb-flash", "dp1-cp2-alltoall-nolb-flash",
-                                               "dp2-cp1-allgather-nolb-flash"]
+                                               "dp1-cp2-ulysses-flash", "dp2-cp1-allgather-nolb-flash"]
     assert {r.measurements for r in result.trials if r.state == "ok"} == {3} and not result.tie
     invalid = [r for r in result.trials if r.state == "invalid"]
     assert len(invalid) == 2 and all("2*cp=4" in r.reason for r in invalid)
@@ -175,8 +183,9 @@ def test_real_search_on_a_user_step(tmp_path):
     workload = Workload(seq_len=128, heads=4, kv_heads=2, head_dim=16, step="examples.train_llama_cp:search_step")
     result = cptune.search(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'user.db'}", memory_budget="8GiB",
                            settings=MeasureSettings(warmup=0, min_repeats=1, min_seconds=0))
-    assert result.complete and len(result.trials) == 5
+    assert result.complete and len(result.trials) == 6
     assert all(r.state == "ok" and r.tokens_per_s > 0 and r.predicted_bytes is None for r in result.trials)
+    assert {r.config.strategy for r in result.trials} == {"ring", "ulysses"}
 
 
 def test_real_search_measures_compiled_checkpointed_steps(tmp_path):
@@ -199,6 +208,7 @@ NOISY = {  # config key -> per-step seconds: two leaders within noise, the rest 
     "dp1-cp2-alltoall-nolb-flash": [2.0, 2.1, 2.05],
     "dp1-cp2-allgather-nolb-flash": [2.2, 2.3, 2.25],
     "dp2-cp1-allgather-nolb-flash": [3.0, 3.1, 3.05],
+    "dp1-cp2-ulysses-flash": [2.5, 2.6, 2.55],
 }
 NOISY_PEAK = {"dp1-cp2-allgather-lb-flash": GiB // 2}
 

@@ -31,7 +31,8 @@ def _compare(model, ref, loss, ref_loss):
     return {"loss_err": abs(loss.item() / dist.get_world_size() - ref_loss.item()), "grad_err": grad_err}
 
 
-def _step_case(ac, rotate="alltoall", lb=True, compiled=False, after=False, no_restore=False, seq_len=32):
+def _step_case(ac, rotate="alltoall", lb=True, compiled=False, after=False, no_restore=False, seq_len=32,
+               **strategy):
     torch.manual_seed(0)
     model = TwoBlocks(ac)
     ref = copy.deepcopy(model)
@@ -40,7 +41,7 @@ def _step_case(ac, rotate="alltoall", lb=True, compiled=False, after=False, no_r
     ref_loss.backward()
     run = torch.compile(model) if compiled else model
     xs = x.clone()
-    config = cptune.CPConfig(rotate_method=rotate, load_balance=lb)
+    config = cptune.CPConfig(rotate_method=rotate, load_balance=lb, **strategy)
     try:
         with cptune.context_parallel(buffers=[xs], seq_dims=[1], config=config,
                                      no_restore=[xs] if no_restore else ()):
@@ -97,8 +98,9 @@ def test_in_place_buffer_held_by_autograd_stays_sharded_and_backward_after_is_ex
 def _compiled_case(world_configs, ac):
     """One compiled model through every configuration: each must equal eager one process."""
     results = []
-    for rotate, lb in world_configs:
-        results.append({"config": (rotate, lb), **_step_case(ac, rotate, lb, compiled=True)})
+    for rotate, lb, *strategy in world_configs:
+        extra = strategy[0] if strategy else {}
+        results.append({"config": (rotate, lb, extra), **_step_case(ac, rotate, lb, compiled=True, **extra)})
     return results
 
 
@@ -113,7 +115,34 @@ def test_torch_compile_matches_one_process(ranks, world, ac):
             assert r.get("loss_err", 1) <= TOL and r["grad_err"] <= TOL, r
 
 
-def _fullgraph_case(ac):
+_ULYSSES = {"strategy": "ulysses"}
+_HYBRID = {"strategy": "hybrid", "ulysses_degree": 2}
+
+
+@pytest.mark.parametrize("world,ac,strategy", [
+    (2, "full", _ULYSSES), (2, "selective", _ULYSSES), (2, "selective-ring", _ULYSSES), (2, "reentrant", _ULYSSES),
+    (4, "full", _HYBRID), (4, "selective-ring", _HYBRID)])
+def test_activation_checkpointing_ulysses_and_hybrid(ranks, world, ac, strategy):
+    lb = "auto" if strategy is _ULYSSES else True
+    for r in ranks(world).run(_step_case, ac, "alltoall", lb, **strategy):
+        assert r.get("loss_err", 1) <= TOL and r["grad_err"] <= TOL, r
+
+
+def test_checkpointed_ulysses_backward_after_block_is_a_clear_error(ranks):
+    for r in ranks(2).run(_step_case, "full", "alltoall", "auto", after=True, no_restore=True, **_ULYSSES):
+        assert "activation checkpointing" in r["error"], r
+
+
+@pytest.mark.parametrize("world,configs", [(2, [("alltoall", "auto", _ULYSSES)]),
+                                           (4, [("allgather", True, _HYBRID), ("alltoall", False, _HYBRID)])])
+def test_torch_compile_ulysses_and_hybrid(ranks, world, configs):
+    for ac in ("none", "full"):
+        for per_rank in ranks(world).run(_compiled_case, configs, ac):
+            for r in per_rank:
+                assert r.get("loss_err", 1) <= TOL and r["grad_err"] <= TOL, r
+
+
+def _fullgraph_case(ac, strategy=None):
     from torch._dynamo.utils import counters
     from torch.utils.checkpoint import checkpoint
 
@@ -126,15 +155,15 @@ def _fullgraph_case(ac):
     graphs = []
     for _ in range(2):
         x = torch.randn(2, 32, 32)
-        with cptune.context_parallel(buffers=[x], seq_dims=[1]):
+        with cptune.context_parallel(buffers=[x], seq_dims=[1], config=cptune.CPConfig(**(strategy or {}))):
             compiled(x).sum().backward()
         graphs.append(counters["stats"]["unique_graphs"])
     return graphs
 
 
-@pytest.mark.parametrize("ac", [False, True])
-def test_attention_block_compiles_fullgraph_without_recompiling(ranks, ac):
-    for graphs in ranks(2).run(_fullgraph_case, ac):
+@pytest.mark.parametrize("ac,strategy", [(False, None), (True, None), (True, _ULYSSES)])
+def test_attention_block_compiles_fullgraph_without_recompiling(ranks, ac, strategy):
+    for graphs in ranks(2).run(_fullgraph_case, ac, strategy):
         assert graphs == [1, 1], graphs
 
 
@@ -166,7 +195,7 @@ def test_compiled_decorated_step(ranks):
 # -- data parallelism around CP: FSDP2 and DDP --------------------------------------------
 
 
-def _dp_case(wrap, mesh_shape, micro_batches=1, ac="none"):
+def _dp_case(wrap, mesh_shape, micro_batches=1, ac="none", strategy=None):
     """``wrap``: "fsdp" over dp x cp (flattened), or "ddp" over the whole world."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -194,7 +223,7 @@ def _dp_case(wrap, mesh_shape, micro_batches=1, ac="none"):
         x = micro.clone()
         if wrap == "fsdp":  # reduce gradients once, after the last micro-batch
             model.set_requires_gradient_sync(i == micro_batches - 1)
-        with cptune.context_parallel(buffers=[x], seq_dims=[1], mesh=mesh):
+        with cptune.context_parallel(buffers=[x], seq_dims=[1], mesh=mesh, config=cptune.CPConfig(**(strategy or {}))):
             loss = model(x).square().mean() / micro_batches
             loss.backward()
         losses.append(loss.detach())
@@ -215,6 +244,12 @@ def _dp_case(wrap, mesh_shape, micro_batches=1, ac="none"):
 ])
 def test_data_parallel_wrappers_compose(ranks, world, wrap, shape, micro, ac):
     for r in ranks(world).run(_dp_case, wrap, shape, micro, ac):
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, r
+
+
+@pytest.mark.parametrize("shape,strategy", [((2, 2), _ULYSSES), ((1, 4), _HYBRID)])
+def test_fsdp_with_ulysses_and_hybrid(ranks, shape, strategy):
+    for r in ranks(4).run(_dp_case, "fsdp", shape, 1, "full", strategy):
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, r
 
 

@@ -179,7 +179,7 @@ BAD_INPUTS = {
     "lb_non_causal": ("config.load_balance", "set load_balance='auto' or False"),
     "is_causal_mismatch": ("is_causal", "pass causal=False to cptune.context_parallel"),
     "attn_mask": ("attn_mask", "use is_causal=True"),
-    "dropout": ("dropout_p", "use dropout_p=0.0"),
+    "dropout": ("dropout_p", "dropout_p=0.0 inside the CP block"),
     "layout": ("query", "transpose it to dim 2"),
     "full_length_query": ("query", "compute q/k/v inside the block from the sharded buffers"),
     "gqa_heads": ("key", "pass enable_gqa=True"),

@@ -7,6 +7,7 @@ import re
 
 import torch
 
+from .._ulysses import kv_replication
 from ..config import CPConfig
 from ..errors import Problem, ValidationError
 from .workload import Workload
@@ -63,30 +64,38 @@ def predict_peak(workload: Workload, config: CPConfig, baseline: int = 0) -> int
     """Predicted peak bytes on one rank for the proxy step (fwd + bwd), plus ``baseline``.
 
     Counts what the step holds at its peak (during backward): inputs, output and its grad,
-    the CPU/GPU kernels' float32 workspaces, the ring's communication buffers (allgather holds every rank's k/v; alltoall one block in
-    flight each way), the float32 merge/accumulation buffers, and q/k/v grads.
+    the CPU/GPU kernels' float32 workspaces, the ring's communication buffers (allgather holds
+    every ring rank's k/v; alltoall one block in flight each way), the float32 merge and
+    accumulation buffers, q/k/v grads, and under Ulysses the head-sharded copies.
     """
     w = workload
     dp, cp = config.mesh_shape
+    ulysses, ring_degree = config.degrees(cp) if not config.degree_problems(cp) else (1, cp)
     local = w.seq_len // cp
     e, f32 = w.itemsize, 4
     q = w.batch * w.heads * local * w.head_dim  # elements of one (B, H, S/cp, D) tensor
     kv = w.batch * (w.kv_heads or w.heads) * local * w.head_dim
-    expanded = q if kv != q else 0  # GQA: k and v repeated to every query head
+    expanded = q if kv != q else 0  # GQA: k and v repeated to every query head, one block at a time
     # q, k, v, out, grad_out; dq, dk, dv; two fp32 kernel workspaces of q's size; lse; GQA copies
     held = (3 * q + 2 * kv) * e + (q + 2 * kv) * e + 2 * q * f32 + w.batch * w.heads * local * f32 \
         + 2 * expanded * 2 * e
-    if cp == 1:
+    swapped = 0
+    if ulysses > 1:  # head-sharded q, k, v and out kept for backward, and one all-to-all's send and receive
+        kv = kv * kv_replication(w.heads, w.kv_heads or w.heads, ulysses)
+        swapped = (2 * q + 2 * kv) * e
+        held += swapped + 2 * q * e
+    if ring_degree == 1:
         ring = 0
     else:
-        kv_block = 2 * q * e
-        rotate = cp * kv_block + kv_block if config.rotate_method == "allgather" else 3 * kv_block
+        kv_block = 2 * kv * e  # key and value travel with their own head count
+        rotate = ring_degree * kv_block + kv_block if config.rotate_method == "allgather" else 3 * kv_block
         merge = 2 * q * f32 + 2 * w.batch * w.heads * local * f32
-        grads = (3 * q + 2 * 2 * q) * f32  # fp32 dq, dk, dv and the dk/dv block in flight
+        grads = (3 * q + 2 * 2 * kv) * f32  # fp32 dq, dk, dv and the dk/dv block in flight
         ring = rotate + max(merge, grads)
-    # Each further layer keeps its input, output and residual sum (and, under CP, the ring's
-    # float32 merged output and log-sum-exp) for backward: calibrated on CPU, float32.
-    per_layer = (3.5 if cp == 1 else 5.5) * q * e
+    # Each further layer keeps its input, output and residual sum (and, under the ring, its
+    # float32 merged output and log-sum-exp; under Ulysses, the head-sharded q, k, v and out)
+    # for backward: calibrated on CPU, float32.
+    per_layer = (3.5 if ring_degree == 1 else 5.5) * q * e + swapped
     return int(baseline + held + ring + (w.layers - 1) * per_layer)
 
 

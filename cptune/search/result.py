@@ -153,8 +153,9 @@ class SearchResult:
                          f"{format_size(r.predicted_bytes):>10}{comp}  {feasible:<8} {r.reason}")
         return "\n".join(lines)
 
-    LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; lb: causal load balancing; flash on "
-              "CPU: cptune's CPU ring kernel; tokens/s: the whole world, median over n timed steps; IQR: its "
+    LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; allgather/alltoall: the ring's rotate "
+              "method; ulysses: all-to-all over heads; hybrid uK×rN: Ulysses groups of K ranks, a ring of N; lb: "
+              "causal load balancing; flash on CPU: cptune's CPU ring kernel; tokens/s: the whole world, median over n timed steps; IQR: its "
               "interquartile range; *: within noise of the best; peak: the worst rank; headroom: budget left; "
               "predicted: the memory model (-: not modelled)")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +13,12 @@ from ..validate import backend_problem
 from .workload import Workload
 
 ROTATE_METHODS = ("allgather", "alltoall")
+
+
+def strategies(world_size: int) -> tuple[str, ...]:
+    """'ring', 'ulysses', and 'hybrid-u<k>' for each Ulysses group size k that leaves a ring of 2 or more."""
+    hybrids = [f"hybrid-u{u}" for u in range(2, world_size // 2 + 1) if world_size % u == 0 and world_size // u >= 2]
+    return ("ring", "ulysses", *hybrids)
 
 
 def mesh_shapes(world_size: int) -> list[tuple[int, int]]:
@@ -24,8 +32,12 @@ def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
 
 
 def canonical(config: CPConfig) -> CPConfig:
-    """The same configuration written one way: with cp == 1, rotate method and load balancing don't apply."""
+    """The same configuration written one way: with cp == 1 the strategy, rotate method and load
+    balancing don't apply; under Ulysses the rotate method and load balancing don't."""
     if config.mesh_shape and config.mesh_shape[1] == 1:
+        return config.model_copy(update={"rotate_method": "allgather", "load_balance": False, "strategy": "ring",
+                                         "ulysses_degree": None})
+    if config.strategy == "ulysses":
         return config.model_copy(update={"rotate_method": "allgather", "load_balance": False})
     return config
 
@@ -33,14 +45,19 @@ def canonical(config: CPConfig) -> CPConfig:
 def config_key(config: CPConfig) -> str:
     c = canonical(config)
     dp, cp = c.mesh_shape
-    return f"dp{dp}-cp{cp}-{c.rotate_method}-{'lb' if c.load_balance else 'nolb'}-{'+'.join(c.sdpa_backend)}"
+    backend = "+".join(c.sdpa_backend)
+    if c.strategy == "ulysses":
+        return f"dp{dp}-cp{cp}-ulysses-{backend}"
+    strategy = f"hybrid{c.ulysses_degree}-" if c.strategy == "hybrid" else ""  # ring keys as before strategies
+    return f"dp{dp}-cp{cp}-{strategy}{c.rotate_method}-{'lb' if c.load_balance else 'nolb'}-{backend}"
 
 
 @dataclass(frozen=True)
 class Axis:
-    """The four search dimensions, as Optuna categorical choices."""
+    """The five search dimensions, as Optuna categorical choices."""
 
     mesh: tuple[str, ...]
+    strategy: tuple[str, ...]
     rotate_method: tuple[str, ...]
     sdpa_backend: tuple[str, ...]
     load_balance: tuple[bool, ...]
@@ -50,13 +67,14 @@ class Axis:
 
     @property
     def size(self) -> int:
-        return len(self.mesh) * len(self.rotate_method) * len(self.sdpa_backend) * len(self.load_balance)
+        return math.prod(len(v) for v in self.__dict__.values())
 
 
 def axes(workload: Workload, world_size: int, device_type: str) -> Axis:
     backends = usable_backends(device_type, workload.torch_dtype) or ["flash"]
     return Axis(
         mesh=tuple(f"{dp}x{cp}" for dp, cp in mesh_shapes(world_size)),
+        strategy=strategies(world_size),
         rotate_method=ROTATE_METHODS,
         sdpa_backend=tuple(backends),
         load_balance=(True, False) if workload.causal else (False,),
@@ -65,22 +83,31 @@ def axes(workload: Workload, world_size: int, device_type: str) -> Axis:
 
 def config_from(params: dict) -> CPConfig:
     dp, cp = (int(x) for x in params["mesh"].split("x"))
-    return canonical(CPConfig(mesh_shape=(dp, cp), rotate_method=params["rotate_method"],
-                              sdpa_backend=(params["sdpa_backend"],), load_balance=bool(params["load_balance"])))
+    strategy, _, u = params.get("strategy", "ring").partition("-u")
+    lb = bool(params["load_balance"]) and strategy != "ulysses"
+    return canonical(CPConfig(mesh_shape=(dp, cp), strategy=strategy, ulysses_degree=int(u) if u else None,
+                              rotate_method=params["rotate_method"], sdpa_backend=(params["sdpa_backend"],),
+                              load_balance=lb))
 
 
 def invalid_reason(workload: Workload, config: CPConfig, device_type: str) -> str | None:
     """Why ``config`` can never run this workload, or None when it can."""
     dp, cp = config.mesh_shape
     s = workload.seq_len
+    split = config.degree_problems(cp)
+    if split:
+        return f"{config.strategy} with ulysses_degree={config.ulysses_degree} does not split cp={cp}"
+    ulysses, ring = config.degrees(cp)
     if s % cp:
         return f"sequence length {s} is not divisible by cp={cp}"
-    if cp > 1 and config.load_balance is True and s % (2 * cp):
-        return f"load balancing needs the sequence length {s} divisible by 2*cp={2 * cp}"
+    if ring > 1 and config.load_balance is True and s % math.lcm(2 * ring, cp):
+        what = "2*cp" if ring == cp else "2*ring and cp"
+        return f"load balancing needs the sequence length {s} divisible by {what}={math.lcm(2 * ring, cp)}"
     if config.load_balance is True and not workload.causal:
         return "load balancing applies only to causal attention"
-    ring = cp > 1
-    why = backend_problem(device_type, config.sdpa_backend[0], workload.torch_dtype, ring=ring)
+    if ulysses > 1 and workload.heads % ulysses:
+        return f"{workload.heads} heads do not divide among {ulysses} Ulysses ranks"
+    why = backend_problem(device_type, config.sdpa_backend[0], workload.torch_dtype, ring=ring > 1)
     return f"sdpa_backend {config.sdpa_backend[0]}: {why}" if why else None
 
 
@@ -88,16 +115,13 @@ def all_configs(workload: Workload, world_size: int, device_type: str) -> list[C
     """Every distinct valid configuration (the exhaustive oracle's list)."""
     seen, out = set(), []
     ax = axes(workload, world_size, device_type)
-    for mesh in ax.mesh:
-        for rotate in ax.rotate_method:
-            for backend in ax.sdpa_backend:
-                for lb in ax.load_balance:
-                    c = config_from({"mesh": mesh, "rotate_method": rotate, "sdpa_backend": backend,
-                                     "load_balance": lb})
-                    key = config_key(c)
-                    if key not in seen and invalid_reason(workload, c, device_type) is None:
-                        seen.add(key)
-                        out.append(c)
+    names = list(ax.as_dict())
+    for point in itertools.product(*ax.as_dict().values()):
+        c = config_from(dict(zip(names, point)))
+        key = config_key(c)
+        if key not in seen and invalid_reason(workload, c, device_type) is None:
+            seen.add(key)
+            out.append(c)
     return out
 
 

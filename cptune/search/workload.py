@@ -116,8 +116,10 @@ def _keep_ring(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     from .._torch_cp import RING_ATTENTION_OPS
+    from .._ulysses import ULYSSES_OPS
 
-    return CheckpointPolicy.MUST_SAVE if op in RING_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    keep = op in RING_ATTENTION_OPS or op in ULYSSES_OPS  # never recompute communication
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpointed(layer: Callable, selective: bool, h: torch.Tensor) -> torch.Tensor:
