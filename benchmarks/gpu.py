@@ -15,6 +15,9 @@
 2. Memory model calibration: the proxy step at cp=1 for each length, predicted peak
    (cptune.search.memory.predict_peak) against torch.cuda.max_memory_allocated.
 Writes benchmarks/results/gpu-<date>/results.md and results.json.
+
+On a node with several GPUs, the ring vs Ulysses vs hybrid sweep (and the GQA before/after
+comparison) runs as ``torchrun --nproc-per-node 8 -m benchmarks.strategies --device cuda``.
 """
 
 from __future__ import annotations

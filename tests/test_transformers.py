@@ -34,7 +34,7 @@ def _batch(step, batch=2, seq_len=32):
     return ids, labels, torch.arange(seq_len).expand(batch, seq_len)
 
 
-def _hf_case(steps, rotate, checkpointing, compiled=False):
+def _hf_case(steps, rotate, checkpointing, compiled=False, **strategy):
     import cptune.hf
 
     ref, model = _llama(), _llama()
@@ -47,7 +47,7 @@ def _hf_case(steps, rotate, checkpointing, compiled=False):
             m.gradient_checkpointing_enable()
     run = torch.compile(model) if compiled else model
     world = dist.get_world_size()
-    config = cptune.CPConfig(rotate_method=rotate, load_balance=True)
+    config = cptune.CPConfig(rotate_method=rotate, load_balance="auto" if strategy else True, **strategy)
     results = []
     for step in range(steps):
         ids, labels, positions = _batch(step)
@@ -76,6 +76,14 @@ def _hf_case(steps, rotate, checkpointing, compiled=False):
                                                         (2, "allgather", False)])
 def test_llama_trains_like_one_process(ranks, world, rotate, checkpointing):
     for per_rank in ranks(world).run(_hf_case, 3, rotate, checkpointing):
+        for r in per_rank:
+            assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, per_rank
+
+
+@pytest.mark.parametrize("world,strategy", [(2, {"strategy": "ulysses"}), (4, {"strategy": "ulysses"}),
+                                            (4, {"strategy": "hybrid", "ulysses_degree": 2})])
+def test_llama_trains_like_one_process_under_ulysses_and_hybrid(ranks, world, strategy):
+    for per_rank in ranks(world).run(_hf_case, 2, "alltoall", True, **strategy):
         for r in per_rank:
             assert r["loss_err"] <= TOL and r["grad_err"] <= TOL, per_rank
 

@@ -1,7 +1,9 @@
 """Noise-aware choice: screen every configuration briefly, then race only those that could be the best.
 
 Each trial keeps its per-step times (the slowest rank's, per step). A configuration's figure is
-the median tokens/s over its steps, with the interquartile range as its spread. After the
+the median tokens/s over its steps, with the interquartile range as its spread; a figure from
+fewer than ``FEW_STEPS`` steps counts as uncertain by at least ±``NOISE_FLOOR`` (the drift of a
+shared machine between trials, which a few consecutive steps do not show). After the
 screening pass, the leader and every configuration whose range overlaps the leader's are
 measured again at full length (racing), up to ``RACE_ROUNDS`` times; the extra step times
 pool with the first ones. Configurations still overlapping the leader after that are
@@ -21,6 +23,9 @@ from .result import TrialRecord
 RACE_ROUNDS = 2
 SCREEN_SHARE = 0.25
 """The screening pass times each configuration for this share of ``min_seconds`` (at least 2 steps)."""
+NOISE_FLOOR = 0.10
+FEW_STEPS = 5
+"""A figure from fewer than FEW_STEPS timed steps is taken as uncertain by at least ±NOISE_FLOOR."""
 TIE_RULE = "lower peak memory, then PyTorch's default, then the label"
 EXTRA_ATTR = "extra_step_times"  # study attribute: config key -> step times measured while racing
 
@@ -48,8 +53,23 @@ def apply_spread(record: TrialRecord, tokens_per_step: float, extra_times: Seque
     record.measurements = len(times)
 
 
+def noise_range(r: TrialRecord) -> tuple[float, float]:
+    """The range a figure could be in: its IQR, widened to at least ±NOISE_FLOOR from few steps.
+
+    A few consecutive steps vary less than the same configuration measured again a minute
+    later on a shared machine, so their IQR alone would claim a confidence it does not have.
+    """
+    low, high = r.tps_low, r.tps_high
+    if (r.measurements or 0) < FEW_STEPS:
+        low, high = min(low, r.tokens_per_s * (1 - NOISE_FLOOR)), max(high, r.tokens_per_s * (1 + NOISE_FLOOR))
+    return low, high
+
+
 def overlaps(a: TrialRecord, b: TrialRecord) -> bool:
-    return a.tps_low is not None and b.tps_low is not None and a.tps_high >= b.tps_low and b.tps_high >= a.tps_low
+    if a.tps_low is None or b.tps_low is None:
+        return False
+    (a_low, a_high), (b_low, b_high) = noise_range(a), noise_range(b)
+    return a_high >= b_low and b_high >= a_low
 
 
 def contenders(records: Sequence[TrialRecord]) -> tuple[TrialRecord | None, list[TrialRecord]]:

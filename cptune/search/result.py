@@ -155,9 +155,10 @@ class SearchResult:
 
     LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; allgather/alltoall: the ring's rotate "
               "method; ulysses: all-to-all over heads; hybrid uK×rN: Ulysses groups of K ranks, a ring of N; lb: "
-              "causal load balancing; flash on CPU: cptune's CPU ring kernel; tokens/s: the whole world, median over n timed steps; IQR: its "
-              "interquartile range; *: within noise of the best; peak: the worst rank; headroom: budget left; "
-              "predicted: the memory model (-: not modelled)")
+              "causal load balancing; flash on CPU: cptune's CPU ring kernel; tokens/s: the whole world, median "
+              "over n timed steps; IQR: its interquartile range; *: within noise of the best (ranges overlap; "
+              "fewer than 5 steps count as ±10%); peak: the worst rank; headroom: budget left; predicted: the "
+              "memory model (-: not modelled)")
 
     def tie_note(self) -> str | None:
         if not self.tie:
