@@ -112,7 +112,6 @@ class _Session:
         self.cp_rank = self.dp_rank = 0
         self.ulysses_group: dist.ProcessGroup | None = None  # ranks that trade heads (Ulysses / hybrid)
         self.ring_group: dist.ProcessGroup | None = None  # ranks that pass key/value blocks round (ring / hybrid)
-        self.ulysses_rank = 0
         self.mesh: DeviceMesh | None = None
         self.cp_mesh: DeviceMesh | None = None
         self.group: dist.ProcessGroup | None = None
@@ -131,7 +130,7 @@ class _Session:
               inplace: bool) -> _Session:
         problems = self._resolve_mesh(mesh, _first_device_type(buffers))
         problems += self.config.degree_problems(self.cp)
-        self.ulysses, self.ring = self.config.degrees(self.cp) if not problems else (1, self.cp)
+        self.ulysses, self.ring = self.config.degrees(self.cp)
         if self.recipe is not None:
             problems += self._recipe_problems()
         self.plan, buffer_problems = check_buffers(
@@ -228,7 +227,6 @@ class _Session:
         if self.cp_mesh is not None:
             self.group = self.cp_mesh.get_group()
             self.cp_rank = self.cp_mesh.get_local_rank()
-            self.ulysses_rank = self.cp_rank % self.ulysses
             if self.ulysses == self.cp:
                 self.ulysses_group = self.group
             elif self.ulysses == 1:
@@ -287,15 +285,13 @@ class _Session:
             q, k, v = (_ulysses.seq_to_heads(t, self.ulysses_group, self.ulysses) for t in (q, k, v))
             if attn_mask is not None and attn_mask.ndim >= 3 and attn_mask.shape[-3] > 1:  # per-head mask
                 heads = q.shape[1]
-                attn_mask = attn_mask.narrow(-3, self.ulysses_rank * heads, heads)
+                attn_mask = attn_mask.narrow(-3, (self.cp_rank % self.ulysses) * heads, heads)  # this rank's heads
         if self.ring > 1:
             backend = self._ring_backend(q.device.type, q.dtype)
             out = _torch_cp.ring_attention(q, k, v, self.ring_group, backend, is_causal, scale,
                                            self.config.rotate_method, self.plan.load_balance)
         else:
-            if q.shape[1] != k.shape[1]:  # expanded here, after the all-to-all: the CPU flash kernel has no GQA
-                groups = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            k, v = _torch_cp.expand_kv(q, k, v)  # here, after the all-to-all: the CPU flash kernel has no GQA
             # the aten op: below torch-function modes, so _SDPAMode does not send it back here
             out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, dropout_p, is_causal,
                                                                       scale=scale)

@@ -140,7 +140,8 @@ class RingBackend:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value repeated so each query head has its own (grouped-query attention); as given otherwise."""
     groups = query.shape[1] // key.shape[1]
     if groups == 1:
         return key, value
@@ -151,7 +152,7 @@ def _gqa(op: Callable[..., Any]) -> Callable[..., Any]:
     """A forward kernel for key/value with fewer heads than the query: expanded per block, never on the wire."""
 
     def call(query, key, value, **kwargs):  # torch's ring passes q, k, v by position
-        key, value = _expand_kv(query, key, value)
+        key, value = expand_kv(query, key, value)
         return op(query, key, value, **kwargs)
 
     return call
@@ -162,7 +163,7 @@ def _gqa_backward(op: Callable[..., Any]) -> Callable[..., Any]:
 
     def call(*, query, key, value, **kwargs):
         key_heads = key.shape[1]
-        key, value = _expand_kv(query, key, value)
+        key, value = expand_kv(query, key, value)
         dq, dk, dv, *rest = op(query=query, key=key, value=value, **kwargs)
         if dk.shape[1] != key_heads:
             dk = dk.unflatten(1, (key_heads, -1)).sum(2, dtype=torch.float32)
@@ -178,7 +179,7 @@ def _ring_fwd(group, op, **kwargs):
 
 def _ring_bwd(group, op, grad_out, grad_out_name="grad_out", **kwargs):
     return _cp._templated_ring_attention_backward(group, 2, _gqa_backward(op), grad_out=grad_out.contiguous(),
-                                                 grad_out_name=grad_out_name, **kwargs)[:3]
+                                                  grad_out_name=grad_out_name, **kwargs)[:3]
 
 
 # The calls below mirror torch's own ring wrappers (``_scaled_dot_product_ring_*_attention``)
@@ -187,20 +188,20 @@ def _ring_bwd(group, op, grad_out, grad_out_name="grad_out", **kwargs):
 
 def _cpu_flash_forward(group, q, k, v, is_causal, scale):
     out, lse = _ring_fwd(group, aten._scaled_dot_product_flash_attention_for_cpu.default, query=q, key=k, value=v,
-                     is_causal=is_causal, dropout_p=0.0, scale=scale)[:2]
+                         is_causal=is_causal, dropout_p=0.0, scale=scale)[:2]
     return out, (lse,)
 
 
 def _cpu_flash_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     (lse,) = saved
     return _ring_bwd(group, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out,
-                          query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal, dropout_p=0.0,
-                          scale=scale)
+                     query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal, dropout_p=0.0,
+                     scale=scale)
 
 
 def _cuda_flash_forward(group, q, k, v, is_causal, scale):
     res = _ring_fwd(group, aten._scaled_dot_product_flash_attention, query=q, key=k, value=v, is_causal=is_causal,
-                dropout_p=0.0, scale=scale)
+                    dropout_p=0.0, scale=scale)
     # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
     return res[0], tuple(res[1:8])
 
@@ -208,28 +209,28 @@ def _cuda_flash_forward(group, q, k, v, is_causal, scale):
 def _cuda_flash_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
     return _ring_bwd(group, aten._scaled_dot_product_flash_attention_backward.default, grad_out,
-                          query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal, cum_seq_q=cum_q,
-                          cum_seq_k=cum_k, max_q=max_q, max_k=max_k, dropout_p=0.0, philox_seed=seed,
-                          philox_offset=offset, scale=scale)
+                     query=q, key=k, value=v, out=out, logsumexp=lse, is_causal=is_causal, cum_seq_q=cum_q,
+                     cum_seq_k=cum_k, max_q=max_q, max_k=max_k, dropout_p=0.0, philox_seed=seed,
+                     philox_offset=offset, scale=scale)
 
 
 def _cuda_efficient_forward(group, q, k, v, is_causal, scale):
     res = _ring_fwd(group, aten._scaled_dot_product_efficient_attention, query=q, key=k, value=v, is_causal=is_causal,
-                attn_bias=None, dropout_p=0.0, scale=scale, compute_log_sumexp=True)
+                    attn_bias=None, dropout_p=0.0, scale=scale, compute_log_sumexp=True)
     return res[0], tuple(res[1:4])  # (lse, philox_seed, philox_offset)
 
 
 def _cuda_efficient_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     lse, seed, offset = saved
     return _ring_bwd(group, aten._scaled_dot_product_efficient_attention_backward.default, grad_out,
-                          "grad_out_", query=q, key=k, value=v, attn_bias=None, out=out, logsumexp=lse,
-                          philox_seed=seed, philox_offset=offset, dropout_p=0.0,
-                          grad_input_mask=(True, True, True, False), is_causal=is_causal, scale=scale)
+                     "grad_out_", query=q, key=k, value=v, attn_bias=None, out=out, logsumexp=lse,
+                     philox_seed=seed, philox_offset=offset, dropout_p=0.0,
+                     grad_input_mask=(True, True, True, False), is_causal=is_causal, scale=scale)
 
 
 def _cuda_cudnn_forward(group, q, k, v, is_causal, scale):
     res = _ring_fwd(group, aten._scaled_dot_product_cudnn_attention, query=q, key=k, value=v, attn_bias=None,
-                compute_log_sumexp=True, dropout_p=0.0, is_causal=is_causal, return_debug_mask=False, scale=scale)
+                    compute_log_sumexp=True, dropout_p=0.0, is_causal=is_causal, return_debug_mask=False, scale=scale)
     # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
     return res[0], tuple(res[1:8])
 
@@ -237,9 +238,9 @@ def _cuda_cudnn_forward(group, q, k, v, is_causal, scale):
 def _cuda_cudnn_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
     return _ring_bwd(group, aten._scaled_dot_product_cudnn_attention_backward.default, grad_out,
-                          query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed, philox_offset=offset,
-                          attn_bias=None, cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q, max_k=max_k,
-                          dropout_p=0.0, is_causal=is_causal, scale=scale)
+                     query=q, key=k, value=v, out=out, logsumexp=lse, philox_seed=seed, philox_offset=offset,
+                     attn_bias=None, cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q, max_k=max_k,
+                     dropout_p=0.0, is_causal=is_causal, scale=scale)
 
 
 _RING_BACKENDS = {

@@ -171,8 +171,12 @@ class CPConfig(StrictModel):
         return (dp, cp)
 
     def degrees(self, cp: int) -> tuple[int, int]:
-        """(ulysses degree, ring degree) for a CP degree; their product is ``cp``."""
-        if cp == 1 or self.strategy == "ring":
+        """(ulysses degree, ring degree) for a CP degree; their product is ``cp``.
+
+        A hybrid split that does not fit ``cp`` (see :meth:`degree_problems`) gives the ring's
+        (1, cp), so callers collecting every problem can go on checking.
+        """
+        if cp == 1 or self.strategy == "ring" or self.degree_problems(cp):
             return (1, cp)
         if self.strategy == "ulysses":
             return (cp, 1)

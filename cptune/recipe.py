@@ -334,7 +334,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
         problems += world_size_problems(recipe, world_size, "--world-size")
     cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size
     problems += recipe.config.degree_problems(cp)
-    ring = recipe.config.degrees(cp)[1] > 1 if not recipe.config.degree_problems(cp) else cp > 1
+    ring = recipe.config.degrees(cp)[1] > 1
     for backend in recipe.config.sdpa_backend or ():
         why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=ring)
         if why and (prov.device_type == "cpu" or torch.cuda.is_available()):

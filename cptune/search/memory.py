@@ -70,7 +70,7 @@ def predict_peak(workload: Workload, config: CPConfig, baseline: int = 0) -> int
     """
     w = workload
     dp, cp = config.mesh_shape
-    ulysses, ring_degree = config.degrees(cp) if not config.degree_problems(cp) else (1, cp)
+    ulysses, ring_degree = config.degrees(cp)
     local = w.seq_len // cp
     e, f32 = w.itemsize, 4
     q = w.batch * w.heads * local * w.head_dim  # elements of one (B, H, S/cp, D) tensor
