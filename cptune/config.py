@@ -194,8 +194,11 @@ class CPConfig(StrictModel):
         return []
 
     def load_balance_for(self, causal: bool, cp: int | None = None) -> bool:
-        """Whether causal work is load-balanced: never under Ulysses, where nothing needs it."""
-        if cp is not None and self.degrees(cp)[1] == 1:
+        """Whether causal work is load-balanced: never under Ulysses (cp > 1, no ring), where nothing needs it.
+
+        The same rule as :func:`cptune.validate.check_buffers` applies when buffers are given.
+        """
+        if cp is not None and cp > 1 and self.degrees(cp)[1] == 1:
             return False
         return causal if self.load_balance == "auto" else bool(self.load_balance)
 

@@ -149,4 +149,7 @@ def test_config_strategy_fields():
     with pytest.raises(ValidationError, match="load_balance"):
         cptune.CPConfig(strategy="ulysses", load_balance=True)
     assert cptune.CPConfig(strategy="hybrid", ulysses_degree=2).degrees(8) == (2, 4)
+    assert cptune.CPConfig(strategy="hybrid", ulysses_degree=4).degrees(4) == (1, 4)  # no ring left: see degree_problems
+    assert cptune.CPConfig(strategy="ulysses").load_balance_for(True, 2) is False
+    assert cptune.CPConfig(strategy="ulysses").load_balance_for(True, 1) is True  # cp = 1: as with buffers
     assert cptune.CPConfig(strategy="ulysses", mesh_shape=(1, 4)).label() == "dp1·cp4 ulysses default"
