@@ -194,6 +194,20 @@ def _plots(results: dict, out: Path) -> list[Path]:
     return paths
 
 
+def publish(kind: str, results: dict, lines: list[str], update_readme: bool) -> Path:
+    """Write benchmarks/results/<kind>-<date>.json, print ``lines``, and rewrite README's ``kind`` section if asked."""
+    import json
+
+    out = Path(f"benchmarks/results/{kind}-{results['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+    if update_readme:
+        replace_readme_section(kind, lines)
+    print(f"written: {out}")
+    return out
+
+
 def replace_readme_section(name: str, lines: list[str]) -> None:
     """Rewrite README.md between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` with ``lines``."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"

@@ -24,7 +24,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -234,17 +233,10 @@ def _spmd(args, results: dict) -> None:
 
 
 def _finish(results: dict, started: float, update_readme: bool) -> None:
-    from .report import replace_readme_section
+    from .report import publish
 
     results["total_seconds"] = time.monotonic() - started
-    out = Path(f"benchmarks/results/strategies-{results['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    lines = summary_lines(results)
-    print("\n".join(lines))
-    if update_readme:
-        replace_readme_section("strategies", lines)
-    print(f"written: {out}")
+    publish("strategies", results, summary_lines(results), update_readme)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -112,7 +111,7 @@ def main() -> None:
 
     from cptune.launch import WorkerGroup
 
-    from .report import replace_readme_section
+    from .report import publish
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M")
     started = time.monotonic()
@@ -125,14 +124,7 @@ def main() -> None:
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
     results["total_seconds"] = time.monotonic() - started
-    out = Path(f"benchmarks/results/training-{stamp}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    lines = summary_lines(results)
-    print("\n".join(lines))
-    if args.update_readme:
-        replace_readme_section("training", lines)
-    print(f"written: {out}")
+    publish("training", results, summary_lines(results), args.update_readme)
 
 
 if __name__ == "__main__":
