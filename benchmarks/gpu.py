@@ -72,7 +72,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
     full = [torch.randn(1, heads, seq_len, head_dim, device=device) for _ in range(3)]
 
     def run(fn, leaves_dtype):
-        leaves = [t.to(leaves_dtype).requires_grad_() for t in full]
+        leaves = [t.detach().to(leaves_dtype).requires_grad_() for t in full]  # fresh leaves, float32 too
         out = fn(*leaves)
         out.float().square().sum().backward()
         return out.detach().float(), [t.grad.float() for t in leaves]
@@ -100,14 +100,18 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
                 return _torch_cp.ring_attention(q, k, v, group, name, True, None, "alltoall", False)
 
             fn = torch.compile(ring, fullgraph=True) if compiled else ring
-            out_err, grad_errs = errors(*run(fn, dtype))
-            leaves = [t.to(dtype).requires_grad_() for t in full]
-            ring_s = _time(lambda fn=fn: fn(*leaves).float().sum().backward(), device, warmup=1, repeats=3)
-            plain_s = _time(lambda: plain(*leaves).float().sum().backward(), device, warmup=1, repeats=3)
-            rows.append({"backend": name, "compiled": compiled, "dtype": str(dtype).replace("torch.", ""),
-                         "seq_len": seq_len, "out_err": out_err, "grad_errs": grad_errs,
-                         "single_out_err": single_out, "single_grad_errs": single_grads,
-                         "ring_over_plain": ring_s / plain_s})
+            row = {"backend": name, "compiled": compiled, "dtype": str(dtype).replace("torch.", ""), "seq_len": seq_len}
+            try:
+                out_err, grad_errs = errors(*run(fn, dtype))
+                leaves = [t.detach().to(dtype).requires_grad_() for t in full]
+                ring_s = _time(lambda fn=fn: fn(*leaves).float().sum().backward(), device, warmup=1, repeats=3)
+                plain_s = _time(lambda: plain(*leaves).float().sum().backward(), device, warmup=1, repeats=3)
+            except Exception as exc:  # noqa: BLE001 - one failing kernel must not hide the others' figures
+                rows.append({**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
+                print(rows[-1], flush=True)
+                continue
+            rows.append({**row, "out_err": out_err, "grad_errs": grad_errs, "single_out_err": single_out,
+                         "single_grad_errs": single_grads, "ring_over_plain": ring_s / plain_s})
             print(rows[-1], flush=True)
     return rows
 
@@ -186,8 +190,9 @@ def main() -> None:
              f"({results['seconds']:.0f} s)", "", "Ring check (1-rank group vs plain SDPA; max abs error vs float32):", "",
              "| backend | compiled | out err (plain) | max grad err (plain) | ring / plain time |", "|---|---|---|---|---|"]
     for r in results["ring_check"]:
-        if "skipped" in r:
-            lines.append(f"| {r['backend']} | - | skipped: {r['skipped']} | | |")
+        if "skipped" in r or "error" in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error']}"
+            lines.append(f"| {r['backend']} | {r.get('compiled', '-')} | {why} | | |")
             continue
         lines.append(f"| {r['backend']} | {r['compiled']} | {r['out_err']:.2e} ({r['single_out_err']:.2e}) | "
                      f"{max(r['grad_errs']):.2e} ({max(r['single_grad_errs']):.2e}) | {r['ring_over_plain']:.2f} |")

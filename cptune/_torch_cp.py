@@ -222,6 +222,7 @@ def _cuda_efficient_forward(group, q, k, v, is_causal, scale):
 
 def _cuda_efficient_backward(group, grad_out, q, k, v, out, saved, is_causal, scale):
     lse, seed, offset = saved
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)  # the kernel's own (B, S, H, D) layout
     return _ring_bwd(group, aten._scaled_dot_product_efficient_attention_backward.default, grad_out,
                      "grad_out_", query=q, key=k, value=v, attn_bias=None, out=out, logsumexp=lse,
                      philox_seed=seed, philox_offset=offset, dropout_p=0.0,
@@ -294,18 +295,23 @@ def ring_backend(device_type: str, backend: str) -> RingBackend:
 # --------------------------------------------------------------------------------------
 
 
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    """A custom op may not return views of its inputs or of its other outputs."""
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that is no view: a custom op may not return views of its inputs or of its
+    other outputs, and its fake kernel promises contiguous strides (the CUDA kernels return out in
+    their own layout, which compiled code would otherwise misread)."""
+    t = t.contiguous()
     return t.clone() if t._base is not None else t
 
 
 def _cuda_saved(backend: str, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> tuple[Any, ...]:
-    """What the CUDA ring backwards take besides lse, rebuilt for dense inputs and dropout 0."""
-    empty = torch.empty(0, dtype=torch.int32, device=q.device)
+    """What the CUDA ring backwards take besides lse, rebuilt for dense inputs and dropout 0.
+
+    Dense (not nested) inputs have no cumulative sequence lengths: the forward kernels return None
+    there, and the backward takes a defined tensor for a variable-length batch."""
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     if backend == "efficient":
         return (lse, seed, seed)
-    return (lse, empty, empty, q.shape[2], k.shape[2], seed, seed)
+    return (lse, None, None, q.shape[2], k.shape[2], seed, seed)
 
 
 @torch.library.custom_op("cptune::ring_attention", mutates_args=())
@@ -316,13 +322,14 @@ def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_
     with cp_options(rotate_method, load_balance and is_causal):
         out, saved = ring_backend(q.device.type, backend).forward(group, q, k, v, is_causal, scale)
     notify_forward()
-    return _fresh(out), _fresh(saved[0].contiguous())
+    return _own(out), _own(saved[0])
 
 
 @_ring_attention_op.register_fake
 def _(q, k, v, group_name, backend, is_causal, scale, rotate_method, load_balance):
     b, h, s, _ = q.shape
-    return q.new_empty(b, h, s, v.shape[-1]), q.new_empty(b, h, s, dtype=torch.float32)
+    lse = (b, h, s, 1) if q.device.type == "cuda" and backend == "cudnn" else (b, h, s)  # cuDNN keeps a last dim
+    return q.new_empty(b, h, s, v.shape[-1]), q.new_empty(lse, dtype=torch.float32)
 
 
 @torch.library.custom_op("cptune::ring_attention_backward", mutates_args=())
@@ -335,7 +342,7 @@ def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torc
     with cp_options(rotate_method, load_balance and is_causal):
         dq, dk, dv = ring_backend(q.device.type, backend).backward(
             group, grad_out, q, k, v, out, saved, is_causal, scale)
-    return _fresh(dq), dk.clone(), dv  # dk and dv are views of one flat buffer: outputs may not alias
+    return _own(dq), _own(dk), _own(dv)  # dk and dv may be views of one flat buffer
 
 
 @_ring_attention_backward_op.register_fake
