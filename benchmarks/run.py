@@ -4,7 +4,7 @@
     python -m benchmarks.run --quick          # a smaller set, for a look (~3 min)
     python -m benchmarks.run --update-readme  # also rewrite README.md's Performance section
 
-For each workload (2 gloo ranks, 1 thread each) it measures, in this one run:
+For each workload (2 gloo ranks, 1 thread each; one workload on 4) it measures, in this one run:
 1. every valid configuration (the oracle), PyTorch's default (allgather, load balancing on,
    cp = world) among them, and the configuration `cptune.search` picks when run on its own
    (fresh study): tuned/oracle and tuned/default throughput ratios;
@@ -51,17 +51,20 @@ from .report import write_report
 NPROC = 2
 
 
-def workloads(quick: bool) -> list[tuple[str, Workload, str | None]]:
-    """(name, workload, memory budget rule). Small heads keep 32K tokens affordable on 2 cores."""
+def workloads(quick: bool) -> list[tuple[str, Workload, str | None, int]]:
+    """(name, workload, memory budget rule, ranks). Small heads keep 32K tokens affordable on 2 cores."""
     small = {"heads": 4, "head_dim": 32}
     lengths = (1024, 4096) if quick else (1024, 4096, 16384, 32768)
-    out = [(f"causal S={s}", Workload(seq_len=s, **small), None) for s in lengths]
-    out += [(f"non-causal S={s}", Workload(seq_len=s, causal=False, **small), None)
+    out = [(f"causal S={s}", Workload(seq_len=s, **small), None, NPROC) for s in lengths]
+    out += [(f"non-causal S={s}", Workload(seq_len=s, causal=False, **small), None, NPROC)
             for s in ((1024,) if quick else (1024, 4096))]
     # Deep enough that a whole sequence per rank (dp only) needs more memory than half of one
     # plus the ring's buffers: the budget is set between the two, so the full sequence does not fit.
     deep = Workload(seq_len=2048, heads=8, head_dim=64, layers=16 if quick else 32)
-    out.append((f"memory-bound causal S={deep.seq_len} L={deep.layers}", deep, "between"))
+    out.append((f"memory-bound causal S={deep.seq_len} L={deep.layers}", deep, "between", NPROC))
+    if not quick:  # 4 ranks (on 2 cores): 15 configurations (dp x cp shapes, ring, Ulysses, hybrid), the size
+        # of space where screening and racing should pay, as on a GPU node
+        out.append(("causal S=8192, 4 ranks", Workload(seq_len=8192, heads=8, head_dim=32), None, 4))
     return out
 
 
@@ -73,17 +76,18 @@ def settings_for(workload: Workload) -> MeasureSettings:
 
 def measure_all(group: WorkerGroup, workload: Workload, baseline: int) -> dict[str, dict]:
     rows = {}
-    for config in all_configs(workload, NPROC, "cpu"):
+    for config in all_configs(workload, group.nproc, "cpu"):
         per_rank = group.run(measure_on_rank, workload, config, settings_for(workload), timeout=900)
         row = summarize(per_rank, workload, config, baseline)
         row.update(label=config.label(), config=config.model_dump(mode="json"),
                    predicted_bytes=predict_peak(workload, config, baseline),
-                   measured_s=sum(sum(r["times"]) for r in per_rank) / NPROC)
+                   measured_s=sum(sum(r["times"]) for r in per_rank) / group.nproc)
         rows[config_key(config)] = row
     return rows
 
 
-def run_search(workload: Workload, budget: int, storage: str, name: str) -> tuple[cptune.SearchResult, list[tuple]]:
+def run_search(workload: Workload, budget: int, storage: str, name: str,
+               nproc: int = NPROC) -> tuple[cptune.SearchResult, list[tuple]]:
     """A fresh search; also when each trial finished, to see when it first held the final best."""
     finished: list[tuple] = []
     start = time.monotonic()
@@ -91,7 +95,7 @@ def run_search(workload: Workload, budget: int, storage: str, name: str) -> tupl
     def progress(record, done, total):
         finished.append((config_key(record.config), record.tokens_per_s, record.state, time.monotonic() - start))
 
-    result = cptune.search(workload, nproc=NPROC, memory_budget=budget, storage=storage,
+    result = cptune.search(workload, nproc=nproc, memory_budget=budget, storage=storage,
                            study_name=name, settings=settings_for(workload), progress=progress)
     return result, finished
 
@@ -113,39 +117,41 @@ def main() -> None:
                "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {NPROC} gloo ranks x 1 thread, "
                           f"torch {torch.__version__}",
                "date": stamp, "workloads": []}
-    shapes = [s for s in mesh_shapes(NPROC) if s[1] > 1]
     with WorkerGroup(NPROC, timeout=900) as group:
         results["overhead"] = group.run(overhead_on_rank, 8192, 5)[0]
     print(f"wrapper overhead: {results['overhead']}", flush=True)
-    for name, workload, budget_rule in workloads(args.quick):
+    for name, workload, budget_rule, nproc in workloads(args.quick):
+        shapes = [s for s in mesh_shapes(nproc) if s[1] > 1]
         # Fresh ranks for the oracle, as the search gets (a rank's memory grows with what it ran);
         # both timings include starting the ranks.
         t0 = time.monotonic()
-        with WorkerGroup(NPROC, timeout=900) as group:
+        with WorkerGroup(nproc, timeout=900) as group:
             baseline = max(group.run(baseline_on_rank, shapes))
+            startup_seconds = time.monotonic() - t0  # ranks started, memory baseline read: the search does the same
             oracle = measure_all(group, workload, baseline)
         oracle_seconds = time.monotonic() - t0
-        budget = default_budget("cpu", NPROC)
+        budget = default_budget("cpu", nproc)
         margin = DEFAULT_MARGIN  # the search's: a config fits when peak x (1 + margin) <= budget
         if budget_rule == "between":  # between dp-only's peak and the leanest CP config's, margin included
-            dp_peak = oracle[config_key(CPConfig(mesh_shape=(NPROC, 1), sdpa_backend="flash"))]["peak_bytes"]
+            dp_peak = oracle[config_key(CPConfig(mesh_shape=(nproc, 1), sdpa_backend="flash"))]["peak_bytes"]
             cp_peak = min(r["peak_bytes"] for k, r in oracle.items() if "-cp1-" not in k)
             budget = int((1 + margin) * (dp_peak + cp_peak) / 2) if cp_peak < dp_peak else budget
         for row in oracle.values():
             row["feasible"] = row["peak_bytes"] * (1 + margin) <= budget
         t1 = time.monotonic()
-        tuned, trace = run_search(workload, budget, storage, f"bench-{len(results['workloads'])}")
+        tuned, trace = run_search(workload, budget, storage, f"bench-{len(results['workloads'])}", nproc)
         search_seconds = time.monotonic() - t1
         entry = {"name": name, "workload": workload.model_dump(mode="json"), "budget": budget,
                  "oracle": oracle, "oracle_seconds": oracle_seconds, "search_seconds": search_seconds,
+                 "startup_seconds": startup_seconds,
                  "tuned": config_key(tuned.best.config) if tuned.best else None,
                  "tuned_measurements": tuned.best.measurements if tuned.best else None,
-                 "default": config_key(pytorch_default(workload, NPROC, "cpu")), "trace": trace}
+                 "default": config_key(pytorch_default(workload, nproc, "cpu")), "trace": trace, "nproc": nproc}
         results["workloads"].append(entry)
         print(f"{name}: tuned {entry['tuned']}, {len(trace)} trials, {time.monotonic() - t0:.0f}s", flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
     # Repeatability: the same workload searched three times from scratch, on fresh ranks each time.
-    name, workload, _ = workloads(args.quick)[1]
+    name, workload, _, _ = workloads(args.quick)[1]
     results["repeat"] = {"name": name, "runs": []}
     for i in range(3):
         tuned, _ = run_search(workload, default_budget("cpu", NPROC), storage, f"bench-repeat-{i}")

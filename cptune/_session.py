@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from . import _loss, _sharding, _torch_cp, _ulysses
 from .config import CPConfig
 from .errors import CPTuneError, Problem, ValidationError, raise_if
-from .validate import BufferPlan, check_buffers, check_sdpa_call, pick_backend
+from .validate import BufferPlan, check_buffers, check_sdpa_call, pick_backend, transport_problems
 
 _SDPA = F.scaled_dot_product_attention
 _KERNELS = {
@@ -131,6 +131,8 @@ class _Session:
         problems = self._resolve_mesh(mesh, _first_device_type(buffers))
         problems += self.config.degree_problems(self.cp)
         self.ulysses, self.ring = self.config.degrees(self.cp)
+        backend = dist.get_backend() if dist.is_initialized() else None
+        problems += transport_problems(self.device_type, backend, self.ring, self.config.rotate_method)
         if self.recipe is not None:
             problems += self._recipe_problems()
         self.plan, buffer_problems = check_buffers(

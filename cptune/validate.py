@@ -187,6 +187,16 @@ def backend_problem(device_type: str, backend: str, dtype: torch.dtype | None, r
     return None
 
 
+def transport_problems(device_type: str, process_backend: str | None, ring: int, rotate_method: str) -> list[Problem]:
+    """A ring the process group cannot carry: gloo has no all-gather for CUDA tensors (the ranks
+    crash with a segmentation fault; seen on an H200 with torch 2.11), its all-to-all works."""
+    if device_type == "cuda" and process_backend == "gloo" and ring > 1 and rotate_method == "allgather":
+        return [Problem("config.rotate_method", "is 'allgather', but the process group is gloo, which cannot "
+                        "all-gather CUDA tensors", "use an nccl process group for CUDA buffers "
+                        "(init_process_group('nccl')), or rotate_method='alltoall'")]
+    return []
+
+
 def pick_backend(backends: Sequence[str], device_type: str, dtype: torch.dtype | None,
                  ring: bool) -> tuple[str | None, list[Problem]]:
     """The first usable backend of ``backends``; if none is usable, one problem saying why each fails."""

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import cptune
 from cptune import _torch_cp
-from cptune.validate import check_buffers
+from cptune.validate import check_buffers, transport_problems
 
 # -- no process group needed ----------------------------------------------------------------
 
@@ -79,6 +79,16 @@ def test_load_balance_needs_2cp_or_is_turned_off_with_a_reason():
     assert text == "" and plan.load_balance is False and "load balancing is off" in plan.notes[0]
     _, text = _problems([torch.zeros(1, 8)], [1], cp=2, lb=True, causal=False)
     assert "only applies to causal attention" in text
+
+
+def test_gloo_cannot_all_gather_cuda_tensors():
+    # seen on an H200: ranks on gloo holding CUDA tensors crash in the ring's all-gather (SIGSEGV)
+    (problem,) = transport_problems("cuda", "gloo", 2, "allgather")
+    assert problem.argument == "config.rotate_method" and "nccl" in problem.fix and "alltoall" in problem.fix
+    assert not transport_problems("cuda", "gloo", 2, "alltoall")  # its all-to-all works
+    assert not transport_problems("cuda", "gloo", 1, "allgather")  # Ulysses alone: no ring
+    assert not transport_problems("cuda", "nccl", 2, "allgather")
+    assert not transport_problems("cpu", "gloo", 2, "allgather")
 
 
 def test_no_restore_must_be_buffers():
