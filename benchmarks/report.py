@@ -70,9 +70,9 @@ def _grid_text(rows: list[dict]) -> str:
     if not both:
         return "-"
     ratios = [r["search_seconds"] / r["grid_seconds"] for r in both]
-    total = sum(r["search_seconds"] for r in both) / sum(r["grid_seconds"] for r in both)
-    return (f"{total:.2f} in total time ({sum(r['search_seconds'] for r in both):.0f} s / "
-            f"{sum(r['grid_seconds'] for r in both):.0f} s), per workload {min(ratios):.2f}–{max(ratios):.2f} "
+    search, grid = sum(r["search_seconds"] for r in both), sum(r["grid_seconds"] for r in both)
+    return (f"{search / grid:.2f} in total time ({search:.0f} s / {grid:.0f} s), "
+            f"per workload {min(ratios):.2f}–{max(ratios):.2f} "
             f"(geometric mean {_geomean(ratios):.2f}){_startup_text(both)}")
 
 
