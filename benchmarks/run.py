@@ -5,9 +5,11 @@
     python -m benchmarks.run --update-readme  # also rewrite README.md's Performance section
 
 For each workload (2 gloo ranks, 1 thread each; one workload on 4) it measures, in this one run:
-1. every valid configuration (the oracle), PyTorch's default (allgather, load balancing on,
-   cp = world) among them, and the configuration `cptune.search` picks when run on its own
-   (fresh study): tuned/oracle and tuned/default throughput ratios;
+1. every valid configuration (the oracle: measured once before the search and once after it,
+   on fresh ranks each time, steps pooled, so drift during the search does not decide the
+   comparison), PyTorch's default (allgather, load balancing on, cp = world) among them, and the
+   configuration `cptune.search` picks when run on its own (fresh study): tuned/oracle and
+   tuned/default throughput ratios;
 2. the no-communication limit (dp-only: each rank a whole sequence, no exchange) and CP
    parallel efficiency = best CP throughput / that limit;
 3. wrapper overhead: a step through `cptune.context_parallel` against the same ring attention
@@ -30,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -86,6 +89,25 @@ def measure_all(group: WorkerGroup, workload: Workload, baseline: int) -> dict[s
     return rows
 
 
+def pool_passes(oracle: dict[str, dict], after: dict[str, dict], budget: int, margin: float) -> None:
+    """Pool the oracle's two passes, one before and one after the search, per config: a shared
+    machine drifts over minutes, and configs drift differently, so one pass would judge the search
+    against that moment's noise. The figure is the median over both passes' steps, the peak the
+    higher one; ``first_pass_steps`` keeps how many steps one pass took (a grid's cost). The oracle's
+    best is the fastest config that is feasible by the search's own rule (peak plus margin within the
+    budget); the tuned config counts as over budget only when its peak exceeds the budget itself."""
+    for key, row in oracle.items():
+        tokens = row["tokens_per_s"] * row["step_time_s"]
+        row["first_pass_steps"] = len(row["step_times"])
+        row["step_times"] = steps = row["step_times"] + after[key]["step_times"]
+        row["step_time_s"] = statistics.median(steps)
+        row["tokens_per_s"] = tokens / row["step_time_s"]
+        row["spread"] = (max(steps) - min(steps)) / row["step_time_s"]
+        row["peak_bytes"] = max(row["peak_bytes"], after[key]["peak_bytes"])
+        row["feasible"] = row["peak_bytes"] * (1 + margin) <= budget  # the search's rule: the oracle's best
+        row["fits"] = row["peak_bytes"] <= budget  # the tuned config's test: the margin is the search's reserve
+
+
 def run_search(workload: Workload, budget: int, storage: str, name: str,
                nproc: int = NPROC) -> tuple[cptune.SearchResult, list[tuple]]:
     """A fresh search; also when each trial finished, to see when it first held the final best."""
@@ -136,11 +158,12 @@ def main() -> None:
             dp_peak = oracle[config_key(CPConfig(mesh_shape=(nproc, 1), sdpa_backend="flash"))]["peak_bytes"]
             cp_peak = min(r["peak_bytes"] for k, r in oracle.items() if "-cp1-" not in k)
             budget = int((1 + margin) * (dp_peak + cp_peak) / 2) if cp_peak < dp_peak else budget
-        for row in oracle.values():
-            row["feasible"] = row["peak_bytes"] * (1 + margin) <= budget
         t1 = time.monotonic()
         tuned, trace = run_search(workload, budget, storage, f"bench-{len(results['workloads'])}", nproc)
         search_seconds = time.monotonic() - t1
+        with WorkerGroup(nproc, timeout=900) as group:  # the oracle's second pass, after the search
+            group.run(baseline_on_rank, shapes)  # the same warm-up as the first pass's ranks had
+            pool_passes(oracle, measure_all(group, workload, baseline), budget, margin)
         entry = {"name": name, "workload": workload.model_dump(mode="json"), "budget": budget,
                  "oracle": oracle, "oracle_seconds": oracle_seconds, "search_seconds": search_seconds,
                  "startup_seconds": startup_seconds,

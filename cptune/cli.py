@@ -100,7 +100,8 @@ def _init_torchrun() -> bool:
 @click.option("--timeout", type=float, default=None, help="Stop starting trials after this many seconds.")
 @click.option("--trial-timeout", type=float, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
 @click.option("--sampler", type=click.Choice(["auto", "grid", "tpe"]), default="auto", show_default=True)
-@click.option("--min-seconds", type=float, default=1.0, show_default=True, help="Timed seconds per trial, at least.")
+@click.option("--min-seconds", type=float, default=1.0, show_default=True,
+              help="Timing scale: screening and each race round time a config for a quarter of this (1 step at least).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
@@ -191,7 +192,8 @@ def _print_result(result) -> None:
     best = result.best
     if best is not None:
         click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
-        for kind, note in (("tie", result.tie_note()), ("note", result.dp_only_note())):
+        for kind, note in (("race", result.race_note()), ("tie", result.tie_note()),
+                           ("note", result.dp_only_note())):
             if note:
                 click.echo(f"{kind}: {note}")
     if not result.complete:

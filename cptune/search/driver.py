@@ -224,15 +224,28 @@ def result_from_study(study: optuna.Study, *, budget: int | None = None, margin:
     budget = budget if budget is not None else a["memory_budget"]
     margin = margin if margin is not None else a.get("memory_margin", 0.0)
     trials = _records(study, workload, budget, margin)
-    leader, rivals = racing.contenders(trials)
-    tied = [leader, *rivals] if rivals else []
-    chosen = racing.choose(tied, pytorch_default(workload, world, device)) if tied else leader
+    race = a.get(racing.RACE_ATTR)
+    tied = _equivalent(trials, race)  # one config when the measurements separate it
+    race = race if race and [config_key(r.config) for r in tied] == race["survivors"] else None
+    chosen = racing.choose(tied, pytorch_default(workload, world, device)) if tied else None
+    tied = tied if len(tied) > 1 else []
     nproc = (a.get("environment") or {}).get("nproc_per_node", world)
     where = storage if isinstance(storage, str) else DEFAULT_STORAGE if storage is None else type(storage).__name__
     return SearchResult(study_name=study.study_name, storage=where, workload=workload, world_size=world,
                         device=device, nproc_per_node=nproc, memory_budget=budget, trials=trials,
                         evaluated_now=evaluated, complete=complete, memory_margin=margin,
-                        chosen=chosen.number if chosen else None, equivalent=[r.number for r in tied])
+                        chosen=chosen.number if chosen else None, equivalent=[r.number for r in tied], race=race)
+
+
+def _equivalent(trials: list[TrialRecord], race: dict | None) -> list[TrialRecord]:
+    """The configurations the last race left standing; without a race that still holds (none run,
+    one cut short, or a survivor no longer feasible under this budget), those within noise of the
+    leader by their pooled figures."""
+    ok = {config_key(r.config): r for r in trials if r.state == "ok" and r.tokens_per_s}
+    if race and race.get("survivors") and all(k in ok for k in race["survivors"]):
+        return [ok[k] for k in race["survivors"]]
+    leader, rivals = racing.contenders(trials)
+    return [leader, *rivals] if leader else []
 
 
 def _records(study, workload: Workload, budget: int, margin: float) -> list[TrialRecord]:
@@ -245,19 +258,26 @@ def _records(study, workload: Workload, budget: int, margin: float) -> list[Tria
 
 
 def _race_leaders(evaluator, study, workload, settings, baseline, budget, margin, interrupts) -> None:
-    """Race the leader and the configs within its spread at full length (see :mod:`.racing`)."""
-    def measure(record: TrialRecord) -> None:
+    """Race the leader and the configs within its spread in paired rounds (see :mod:`.racing`)."""
+    study.set_user_attr(racing.RACE_ATTR, None)  # an earlier race no longer holds; one cut short decides nothing
+    leader, rivals = racing.contenders(_records(study, workload, budget, margin))
+    if leader is None or not rivals:
+        return
+    brief = racing.race_round(settings, workload)
+
+    def measure(record: TrialRecord) -> float | None:
         try:
             with interrupts.immediate():
-                per_rank = evaluator(workload, record.config, settings)
+                per_rank = evaluator(workload, record.config, brief)
         except TrialFailed:
-            return
-        steps = summarize(per_rank, workload, record.config, baseline)["step_times"]
+            return None
+        summary = summarize(per_rank, workload, record.config, baseline)
         extra = dict(study.user_attrs.get(racing.EXTRA_ATTR, {}))
-        extra.setdefault(config_key(record.config), []).extend(steps)
+        extra.setdefault(config_key(record.config), []).extend(summary["step_times"])
         study.set_user_attr(racing.EXTRA_ATTR, extra)
+        return summary["tokens_per_s"]
 
-    racing.race(lambda: _records(study, workload, budget, margin), measure)
+    study.set_user_attr(racing.RACE_ATTR, racing.race(leader, rivals, config_key, measure))
 
 
 def _frozen(study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTrial:

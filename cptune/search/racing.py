@@ -1,38 +1,60 @@
-"""Noise-aware choice: screen every configuration briefly, then race only those that could be the best.
+"""Noise-aware choice: screen every configuration briefly, then race, in paired rounds, only those that could be the best.
 
 Each trial keeps its per-step times (the slowest rank's, per step). A configuration's figure is
 the median tokens/s over its steps, with the interquartile range as its spread; a figure from
 fewer than ``FEW_STEPS`` steps counts as uncertain by at least ±``NOISE_FLOOR`` (the drift of a
-shared machine between trials, which a few consecutive steps do not show). After the
-screening pass, the leader and every configuration whose range overlaps the leader's are
-measured again at full length (racing), up to ``RACE_ROUNDS`` times; the extra step times
-pool with the first ones. Configurations still overlapping the leader after that are
-*equivalent*: this machine cannot tell them apart, and the search says so. Among them the
-choice follows a stated rule: lower peak memory, then PyTorch's default, then the label.
+shared machine between trials, which a few consecutive steps do not show).
+
+After the screening pass, the leader and every configuration whose range overlaps the leader's
+race in *paired rounds*: each round times every survivor once more, briefly and back to back
+(in alternating order), so they share the machine's state of that moment. Survivors are compared
+by their mean log figure over the same rounds, so a slowdown of the machine between rounds cancels
+out; a survivor more than ``RACE_FLOOR / sqrt(rounds)`` below the best is out. After
+``RACE_ROUNDS`` rounds, the survivors still within that margin are *equivalent*: this machine
+cannot tell them apart, and the search says so. Among them the choice follows a stated rule,
+``TIE_RULE``. Every raced step also pools into the configuration's figure and spread.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 
 from ..config import CPConfig
 from .measure import MeasureSettings
 from .result import TrialRecord
+from .workload import Workload
 
-RACE_ROUNDS = 2
 SCREEN_SHARE = 0.25
-"""The screening pass times each configuration for this share of ``min_seconds`` (at least 2 steps)."""
-NOISE_FLOOR = 0.10
+"""Screening and each race round time a configuration for this share of ``min_seconds``."""
+NOISE_FLOOR = 0.15
 FEW_STEPS = 5
 """A figure from fewer than FEW_STEPS timed steps is taken as uncertain by at least ±NOISE_FLOOR."""
-TIE_RULE = "lower peak memory, then PyTorch's default, then the label"
+RACE_ROUNDS = 4
+RACE_FLOOR = 0.10
+"""After k paired rounds, a survivor whose mean figure is below the best's by more than
+RACE_FLOOR / sqrt(k) is out: 10 % after one round, 5 % after four."""
+MEMORY_TIE = 0.05
+"""Peaks within this share of the lowest count as equal for the tie rule (a peak varies a little run to run)."""
+TIE_RULE = ("lower peak memory (within 5 % counts as equal), then PyTorch's default, then more data "
+            "parallelism (less communication), then the label")
 EXTRA_ATTR = "extra_step_times"  # study attribute: config key -> step times measured while racing
+RACE_ATTR = "race"  # study attribute: the last race, as :func:`race` returns it (None: none holds)
 
 
 def screening(settings: MeasureSettings) -> MeasureSettings:
+    """Brief, but two steps run at least (warm-up included): a rank's peak memory can rise on its
+    second step (the allocator's state after the first), and screening is where the peak is read."""
     return settings.model_copy(update={"min_seconds": settings.min_seconds * SCREEN_SHARE,
-                                       "min_repeats": min(settings.min_repeats, 2)})
+                                       "min_repeats": max(1, min(settings.min_repeats, 2 - settings.warmup))})
+
+
+def race_round(settings: MeasureSettings, workload: Workload) -> MeasureSettings:
+    """A race round: as brief as screening but from one step (no peak is read here), without
+    warm-up (the ranks ran this step already) unless the step compiles (a rebuilt model may recompile)."""
+    return screening(settings).model_copy(update={"warmup": settings.warmup if workload.compile else 0,
+                                                  "min_repeats": 1})
 
 
 def quantiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -82,19 +104,61 @@ def contenders(records: Sequence[TrialRecord]) -> tuple[TrialRecord | None, list
 
 
 def choose(tied: Sequence[TrialRecord], default: CPConfig | None) -> TrialRecord:
-    """The tie rule: lower peak memory, then PyTorch's default, then the label."""
-    return min(tied, key=lambda r: (r.peak_bytes or 0, r.config != default, r.config.label()))
+    """The tie rule (``TIE_RULE``): a stated order that does not hang on a difference within noise."""
+    lowest = min(r.peak_bytes or 0 for r in tied)
+    return min(tied, key=lambda r: ((r.peak_bytes or 0) > lowest * (1 + MEMORY_TIE), r.config != default,
+                                    -r.config.mesh_shape[0], r.config.label()))
 
 
-def race(records: Callable[[], list[TrialRecord]], measure: Callable[[TrialRecord], None]) -> None:
-    """Re-measure the leader and its overlapping contenders until they separate, RACE_ROUNDS at most.
+def standing(rounds: Sequence[dict[str, float]], keys: Sequence[str]) -> dict[str, float]:
+    """Each key's mean figure over ``rounds`` (tokens/s per round), relative to the best: 1.0 is the best.
 
-    ``records()`` gives the current records with pooled spreads; ``measure(record)`` runs its
-    config once more at full length and stores the step times (a failed run stores none).
+    Every key was measured in every round, so the machine's state of each round is common to all
+    and cancels in the comparison (a paired comparison)."""
+    mean_log = {k: sum(math.log(r[k]) for r in rounds) / len(rounds) for k in keys}
+    top = max(mean_log.values())
+    return {k: math.exp(v - top) for k, v in mean_log.items()}
+
+
+def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPConfig], str],
+         measure: Callable[[TrialRecord], float | None]) -> dict:
+    """Paired rounds among ``leader`` and ``rivals`` until one is left or RACE_ROUNDS have run.
+
+    ``measure(record)`` times its config once more (a race round's length) and returns its
+    tokens/s for that round, or None when the run failed (the config leaves the race).
+    Returns {"rounds": [{key: tokens/s}], "survivors": [keys], "standing": {key: relative}}.
     """
-    for _ in range(RACE_ROUNDS):
-        leader, rivals = contenders(records())
-        if leader is None or not rivals:
-            return
-        for r in [leader, *rivals]:
-            measure(r)
+    alive = [leader, *rivals]
+    rounds: list[dict[str, float]] = []
+    rel: dict[str, float] = {}
+    out: dict[str, dict] = {}  # key -> {"round": n, "relative": mean figure / the best's} (None: its run failed)
+    for i in range(RACE_ROUNDS):
+        figures: dict[str, float] = {}
+        for r in alive if i % 2 == 0 else alive[::-1]:
+            tps = measure(r)
+            if tps:
+                figures[key(r.config)] = tps
+            else:
+                out[key(r.config)] = {"round": i + 1, "relative": None}
+        alive = [r for r in alive if key(r.config) in figures]  # a failed run leaves the race
+        rounds.append(figures)
+        if not alive:
+            break
+        rel = standing(rounds, list(figures))
+        floor = 1 - RACE_FLOOR / math.sqrt(len(rounds))
+        out.update({k: {"round": i + 1, "relative": v} for k, v in rel.items() if v < floor})
+        alive = [r for r in alive if rel[key(r.config)] >= floor]
+        if len(alive) == 1:
+            break
+    return {"rounds": rounds, "survivors": [key(r.config) for r in alive],
+            "standing": {key(r.config): rel.get(key(r.config)) for r in alive}, "out": out}
+
+
+def summary(race: dict, label: Callable[[str], str]) -> str:
+    """One line: how the race went, e.g. ``2 paired rounds: kept A (1.00); out: B after round 1 (0.88)``."""
+    kept = ", ".join(f"{label(k)} ({v:.2f})" for k, v in race["standing"].items())
+    gone = ", ".join(f"{label(k)} after round {o['round']} ("
+                     f"{'failed' if o['relative'] is None else format(o['relative'], '.2f')})"
+                     for k, o in race.get("out", {}).items())
+    return (f"{len(race['rounds'])} paired round(s), figures relative to the best over the same rounds: "
+            f"kept {kept}" + (f"; out: {gone}" if gone else ""))

@@ -96,6 +96,7 @@ class SearchResult:
     memory_margin: float = 0.0
     chosen: int | None = None  # the trial picked: the fastest, or by the tie rule among equivalents
     equivalent: list[int] = field(default_factory=list)  # trials the measurements cannot tell apart
+    race: dict | None = None  # the paired race that decided (see racing.race), by config key
     evaluated_now: int = 0
     complete: bool = False
 
@@ -156,8 +157,8 @@ class SearchResult:
     LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; allgather/alltoall: the ring's rotate "
               "method; ulysses: all-to-all over heads; hybrid uK×rN: Ulysses groups of K ranks, a ring of N; lb: "
               "causal load balancing; flash on CPU: cptune's CPU ring kernel; tokens/s: the whole world, median "
-              "over n timed steps; IQR: its interquartile range; *: within noise of the best (ranges overlap; "
-              "fewer than 5 steps count as ±10%); peak: the worst rank; headroom: budget left; predicted: the "
+              "over n timed steps; IQR: its interquartile range; *: equivalent to the best (within 5% after paired "
+              "race rounds); peak: the worst rank; headroom: budget left; predicted: the "
               "memory model (-: not modelled)")
 
     def tie_note(self) -> str | None:
@@ -167,6 +168,15 @@ class SearchResult:
 
         return (f"{len(self.tie)} configurations are within measurement noise of each other "
                 f"({', '.join(r.config.label() for r in self.tie)}); chosen by {TIE_RULE}")
+
+    def race_note(self) -> str | None:
+        if not self.race:
+            return None
+        from .racing import summary
+        from .space import config_key
+
+        labels = {config_key(r.config): r.config.label() for r in self.trials}
+        return summary(self.race, lambda k: labels.get(k, k))
 
     def dp_only_note(self) -> str | None:
         """Why a config without CP can win, when it does."""
@@ -186,5 +196,5 @@ class SearchResult:
             "memory_budget_unit": "bytes", "memory_margin": self.memory_margin,
             "evaluated_now": self.evaluated_now, "complete": self.complete,
             "best": best.to_dict() if best else None, "trials": [r.to_dict() for r in self.ranked],
-            "equivalent": [r.config.label() for r in self.tie],
+            "equivalent": [r.config.label() for r in self.tie], "race": self.race,
         }

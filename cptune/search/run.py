@@ -77,7 +77,7 @@ def search(
 
     Outside torch.distributed, launches ``nproc`` local ranks (gloo on CPU, nccl with
     ``device='cuda'``) and drives the study from this process. With ``confirm``, every config is
-    screened briefly and the leaders within noise of each other are raced (:mod:`.racing`); without
+    screened briefly and the leaders within noise of each other race in paired rounds (:mod:`.racing`); without
     it, each config is measured once with ``settings``. Inside a torchrun job (the
     process group already initialized), every rank must call it: rank 0 drives and gets the
     result, the other ranks serve trials and get None. Every option is checked, and a

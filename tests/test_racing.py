@@ -1,0 +1,77 @@
+"""The racing rules on their own (no ranks): paired rounds cancel a drifting machine; the tie rule."""
+
+import cptune
+from cptune.search import config_key
+from cptune.search import racing
+from cptune.search.result import TrialRecord
+
+A = cptune.CPConfig(mesh_shape=(1, 2), rotate_method="alltoall", load_balance=True, sdpa_backend="flash")
+B = cptune.CPConfig(mesh_shape=(1, 2), rotate_method="allgather", load_balance=True, sdpa_backend="flash")
+DP = cptune.CPConfig(mesh_shape=(2, 1), sdpa_backend="flash")
+
+
+def _record(number, config, peak=2**30):
+    return TrialRecord(number=number, config=config, state="ok", tokens_per_s=1.0, peak_bytes=peak)
+
+
+def _drifting(true_tps, drift):
+    """A machine that speeds up by ``drift`` per run: the n-th run measures true_tps / drift**n."""
+    calls = []
+
+    def measure(record):
+        calls.append(config_key(record.config))
+        return true_tps[config_key(record.config)] / drift ** (len(calls) - 1)
+    return measure, calls
+
+
+def test_paired_rounds_in_alternating_order_cancel_a_drifting_machine():
+    # B is truly 3 % slower; every run is 5 % faster than the one before it.
+    measure, calls = _drifting({config_key(A): 1.0, config_key(B): 0.97}, 0.95)
+    out = racing.race(_record(0, A), [_record(1, B)], config_key, measure)
+    assert calls == [config_key(A), config_key(B), config_key(B), config_key(A),
+                                                          config_key(A), config_key(B), config_key(B), config_key(A)]
+    assert len(out["rounds"]) == racing.RACE_ROUNDS == 4
+    assert out["survivors"] == [config_key(A), config_key(B)]  # within 5 % after four rounds: a tie
+    assert abs(out["standing"][config_key(B)] - 0.97) < 1e-9  # after an even number of rounds, exactly
+    # The same race in a fixed order would have put B 8 % behind each round (out after two).
+
+
+def test_a_clear_loser_leaves_after_one_round_and_a_failed_run_leaves_the_race():
+    measure, calls = _drifting({config_key(A): 1.0, config_key(B): 0.85, config_key(DP): 0.99}, 1.0)
+    out = racing.race(_record(0, A), [_record(1, B), _record(2, DP)], config_key, measure)
+    assert calls[:3] == [config_key(A), config_key(B), config_key(DP)] and config_key(B) not in calls[3:]
+    assert out["survivors"] == [config_key(A), config_key(DP)]
+    assert out["out"][config_key(B)]["round"] == 1 and abs(out["out"][config_key(B)]["relative"] - 0.85) < 1e-9
+    line = racing.summary(out, lambda k: k.split("-")[2])
+    assert line.startswith("4 paired round(s)") and "out: allgather after round 1 (0.85)" in line
+    failing = racing.race(_record(0, A), [_record(1, B)], config_key,
+                          lambda r: None if r.config == B else 1.0)
+    assert failing["survivors"] == [config_key(A)] and len(failing["rounds"]) == 1
+    assert failing["out"] == {config_key(B): {"round": 1, "relative": None}}
+    assert "(failed)" in racing.summary(failing, str)
+
+
+def test_tie_rule_memory_within_5_percent_is_equal_then_default_then_more_dp():
+    default = B
+    # memory 3 % apart counts as equal: PyTorch's default wins
+    assert racing.choose([_record(0, A, 100), _record(1, B, 103)], default).config == B
+    # memory 20 % apart decides first
+    assert racing.choose([_record(0, A, 100), _record(1, B, 120)], default).config == A
+    # neither is the default: more data parallelism (less communication)
+    assert racing.choose([_record(0, A, 100), _record(2, DP, 102)], default).config == DP
+
+
+def test_screening_runs_two_steps_at_least_so_the_peak_is_a_steady_one():
+    from cptune.search import MeasureSettings
+    from cptune.search.workload import Workload
+
+    def steps(settings):
+        return settings.warmup + settings.min_repeats
+    assert steps(racing.screening(MeasureSettings(warmup=0, min_repeats=3))) == 2
+    assert steps(racing.screening(MeasureSettings(warmup=1, min_repeats=3))) == 2
+    assert racing.screening(MeasureSettings(warmup=0, min_repeats=1)).min_repeats == 1  # asked for one: one
+    assert racing.screening(MeasureSettings(min_seconds=2.0)).min_seconds == 0.5
+    # a race round skips the warm-up, unless the step compiles
+    assert racing.race_round(MeasureSettings(warmup=1), Workload(seq_len=64)).warmup == 0
+    assert racing.race_round(MeasureSettings(warmup=0, min_repeats=3), Workload(seq_len=64)).min_repeats == 1
+    assert racing.race_round(MeasureSettings(warmup=1), Workload(seq_len=64, compile=True)).warmup == 1
