@@ -203,6 +203,32 @@ def test_real_search_measures_compiled_checkpointed_steps(tmp_path):
     assert recipe.workload.compile and recipe.workload.ac == "selective" and recipe.metrics.compile_s is not None
 
 
+def _compiles_per_trial(workload: Workload, rounds: int) -> list[int]:
+    """On each rank: every config measured ``rounds`` times in this one process, as a search and
+    its race rounds do; how many graphs torch.compile built during each trial."""
+    import torch
+
+    from cptune.search.measure import measure_on_rank
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    built = []
+    for _ in range(rounds):
+        for config in all_configs(workload, 2, "cpu"):
+            before = counters["stats"]["unique_graphs"]
+            measure_on_rank(workload, config, MeasureSettings(warmup=1, min_repeats=1, min_seconds=0))
+            built.append(counters["stats"]["unique_graphs"] - before)
+    return built
+
+
+def test_every_compiled_trial_compiles_past_the_recompile_limit(ranks):
+    """12 compiled trials in one process: past torch.compile's recompile limit (8) the step would
+    silently run eagerly and its figure would not be the compiled one the search claims."""
+    workload = Workload(seq_len=128, heads=2, head_dim=16, compile=True)
+    for built in ranks(2).run(_compiles_per_trial, workload, 2):
+        assert len(built) == 12 and all(n >= 1 for n in built), built
+
+
 NOISY = {  # config key -> per-step seconds: two leaders within 3 % of each other, the rest clearly slower
     "dp1-cp2-alltoall-lb-flash": [1.0, 1.3, 0.9],
     "dp1-cp2-allgather-lb-flash": [1.03, 0.95, 1.25],

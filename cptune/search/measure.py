@@ -65,6 +65,10 @@ def _sync(device: torch.device) -> None:
 def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSettings) -> dict:
     """Time ``workload``'s step under ``config`` on this rank. Collective: call on every rank."""
     device = rank_device()
+    if workload.compile or workload.step:
+        # Compile afresh, as the training job will: the ranks have compiled other configs' steps,
+        # and past torch.compile's recompile limit (8) the code would silently run eagerly.
+        torch.compiler.reset()
     _release_free_memory()
     baseline = current_usage(device)
     reset_peak(device)
