@@ -89,6 +89,18 @@ def measure_all(group: WorkerGroup, workload: Workload, baseline: int) -> dict[s
     return rows
 
 
+def oracle_pass(workload: Workload, nproc: int, baseline: int | None = None) -> tuple[int, dict[str, dict], float]:
+    """One oracle pass on fresh ranks, as the search gets them (a rank's memory grows with what it
+    ran): (memory baseline, every config's row, seconds to start the ranks and read the baseline,
+    which the search pays too). ``baseline``: count peaks from this one (the first pass's) instead."""
+    t0 = time.monotonic()
+    with WorkerGroup(nproc, timeout=900) as group:
+        read = max(group.run(baseline_on_rank, [s for s in mesh_shapes(nproc) if s[1] > 1]))
+        baseline = read if baseline is None else baseline
+        startup = time.monotonic() - t0
+        return baseline, measure_all(group, workload, baseline), startup
+
+
 def pool_passes(oracle: dict[str, dict], after: dict[str, dict], budget: int, margin: float) -> None:
     """Pool the oracle's two passes, one before and one after the search, per config: a shared
     machine drifts over minutes, and configs drift differently, so one pass would judge the search
@@ -143,14 +155,8 @@ def main() -> None:
         results["overhead"] = group.run(overhead_on_rank, 8192, 5)[0]
     print(f"wrapper overhead: {results['overhead']}", flush=True)
     for name, workload, budget_rule, nproc in workloads(args.quick):
-        shapes = [s for s in mesh_shapes(nproc) if s[1] > 1]
-        # Fresh ranks for the oracle, as the search gets (a rank's memory grows with what it ran);
-        # both timings include starting the ranks.
-        t0 = time.monotonic()
-        with WorkerGroup(nproc, timeout=900) as group:
-            baseline = max(group.run(baseline_on_rank, shapes))
-            startup_seconds = time.monotonic() - t0  # ranks started, memory baseline read: the search does the same
-            oracle = measure_all(group, workload, baseline)
+        t0 = time.monotonic()  # both timings include starting the ranks
+        baseline, oracle, startup_seconds = oracle_pass(workload, nproc)
         oracle_seconds = time.monotonic() - t0
         budget = default_budget("cpu", nproc)
         margin = DEFAULT_MARGIN  # the search's: a config fits when peak x (1 + margin) <= budget
@@ -161,9 +167,7 @@ def main() -> None:
         t1 = time.monotonic()
         tuned, trace = run_search(workload, budget, storage, f"bench-{len(results['workloads'])}", nproc)
         search_seconds = time.monotonic() - t1
-        with WorkerGroup(nproc, timeout=900) as group:  # the oracle's second pass, after the search
-            group.run(baseline_on_rank, shapes)  # the same warm-up as the first pass's ranks had
-            pool_passes(oracle, measure_all(group, workload, baseline), budget, margin)
+        pool_passes(oracle, oracle_pass(workload, nproc, baseline)[1], budget, margin)  # the second, after
         entry = {"name": name, "workload": workload.model_dump(mode="json"), "budget": budget,
                  "oracle": oracle, "oracle_seconds": oracle_seconds, "search_seconds": search_seconds,
                  "startup_seconds": startup_seconds,

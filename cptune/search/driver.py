@@ -224,9 +224,7 @@ def result_from_study(study: optuna.Study, *, budget: int | None = None, margin:
     budget = budget if budget is not None else a["memory_budget"]
     margin = margin if margin is not None else a.get("memory_margin", 0.0)
     trials = _records(study, workload, budget, margin)
-    race = a.get(racing.RACE_ATTR)
-    tied = _equivalent(trials, race)  # one config when the measurements separate it
-    race = race if race and [config_key(r.config) for r in tied] == race["survivors"] else None
+    tied, race = _equivalent(trials, a.get(racing.RACE_ATTR))  # one config when the measurements separate it
     chosen = racing.choose(tied, pytorch_default(workload, world, device)) if tied else None
     tied = tied if len(tied) > 1 else []
     nproc = (a.get("environment") or {}).get("nproc_per_node", world)
@@ -237,15 +235,15 @@ def result_from_study(study: optuna.Study, *, budget: int | None = None, margin:
                         chosen=chosen.number if chosen else None, equivalent=[r.number for r in tied], race=race)
 
 
-def _equivalent(trials: list[TrialRecord], race: dict | None) -> list[TrialRecord]:
-    """The configurations the last race left standing; without a race that still holds (none run,
-    one cut short, or a survivor no longer feasible under this budget), those within noise of the
-    leader by their pooled figures."""
+def _equivalent(trials: list[TrialRecord], race: dict | None) -> tuple[list[TrialRecord], dict | None]:
+    """The configurations the last race left standing, and that race; without a race that still
+    holds (none run, one cut short, or a survivor no longer feasible under this budget), those
+    within noise of the leader by their pooled figures, and None."""
     ok = {config_key(r.config): r for r in trials if r.state == "ok" and r.tokens_per_s}
     if race and race.get("survivors") and all(k in ok for k in race["survivors"]):
-        return [ok[k] for k in race["survivors"]]
+        return [ok[k] for k in race["survivors"]], race
     leader, rivals = racing.contenders(trials)
-    return [leader, *rivals] if leader else []
+    return ([leader, *rivals] if leader else []), None
 
 
 def _records(study, workload: Workload, budget: int, margin: float) -> list[TrialRecord]:

@@ -126,7 +126,8 @@ def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPCo
 
     ``measure(record)`` times its config once more (a race round's length) and returns its
     tokens/s for that round, or None when the run failed (the config leaves the race).
-    Returns {"rounds": [{key: tokens/s}], "survivors": [keys], "standing": {key: relative}}.
+    Returns {"rounds": [{key: tokens/s}], "survivors": [keys], "standing": {key: relative},
+    "out": {key: {"round": n, "relative": r (None: its run failed)}}}.
     """
     alive = [leader, *rivals]
     rounds: list[dict[str, float]] = []
@@ -155,7 +156,7 @@ def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPCo
 
 
 def summary(race: dict, label: Callable[[str], str]) -> str:
-    """One line: how the race went, e.g. ``2 paired rounds: kept A (1.00); out: B after round 1 (0.88)``."""
+    """One line: how the race went, e.g. ``2 paired round(s), …: kept A (1.00); out: B after round 1 (0.88)``."""
     kept = ", ".join(f"{label(k)} ({v:.2f})" for k, v in race["standing"].items())
     gone = ", ".join(f"{label(k)} after round {o['round']} ("
                      f"{'failed' if o['relative'] is None else format(o['relative'], '.2f')})"
