@@ -1,7 +1,7 @@
 """CPU benchmark: does the tuner beat PyTorch's defaults and approach the best config? One run, side by side.
 
-    python -m benchmarks.run                  # ~15 min on 2 cores; writes benchmarks/results/<date>/
-    python -m benchmarks.run --quick          # a smaller set, for a look (~3 min)
+    python -m benchmarks.run                  # ~30 min on 2 cores; writes benchmarks/results/<date>/
+    python -m benchmarks.run --quick          # a smaller set, for a look (~5 min)
     python -m benchmarks.run --update-readme  # also rewrite README.md's Performance section
 
 For each workload (2 gloo ranks, 1 thread each; one workload on 4) it measures, in this one run:
@@ -14,11 +14,10 @@ For each workload (2 gloo ranks, 1 thread each; one workload on 4) it measures, 
    parallel efficiency = best CP throughput / that limit;
 3. wrapper overhead: a step through `cptune.context_parallel` against the same ring attention
    called directly (torch's own `context_parallel` does not run on CPU);
-4. search cost: trials and seconds until the search first held the oracle's config, against
-   the time to measure every config (the search screens each config briefly, then races the
-   ones within noise of the leader); and the whole search against a grid that measures every
-   config as many times as the search measured its choice (fixed repeats: the oracle's time
-   plus each config's missing steps at its measured median step time);
+4. search cost: trials and seconds until the search first held the oracle's config, and the whole
+   search (screening every config briefly, then racing the ones within noise of the leader),
+   against a grid that measures every config with fixed repeats at the same settings (one oracle
+   pass: `cptune search`'s defaults); and how good that grid's own choice is;
 7. repeatability: one workload searched three times from scratch: the same choice or the same tie?
 5. memory model accuracy: predicted vs measured peak per config;
 6. step time and peak memory against sequence length, per config (plots).
@@ -71,16 +70,15 @@ def workloads(quick: bool) -> list[tuple[str, Workload, str | None, int]]:
     return out
 
 
-def settings_for(workload: Workload) -> MeasureSettings:
-    work = workload.seq_len * workload.layers  # steps of seconds: warm-up matters little there
-    return MeasureSettings(warmup=0 if work >= 16384 else 1, min_repeats=2 if work >= 32768 else 3, max_repeats=10,
-                           min_seconds=0.5)
+SETTINGS = MeasureSettings()
+"""What `cptune search` uses unless told otherwise (warm-up 1, at least 3 steps and 1 s, at most 20),
+for the oracle and the search alike: "every config measured with fixed repeats" is one oracle pass."""
 
 
 def measure_all(group: WorkerGroup, workload: Workload, baseline: int) -> dict[str, dict]:
     rows = {}
     for config in all_configs(workload, group.nproc, "cpu"):
-        per_rank = group.run(measure_on_rank, workload, config, settings_for(workload), timeout=900)
+        per_rank = group.run(measure_on_rank, workload, config, SETTINGS, timeout=900)
         row = summarize(per_rank, workload, config, baseline)
         row.update(label=config.label(), config=config.model_dump(mode="json"),
                    predicted_bytes=predict_peak(workload, config, baseline),
@@ -107,10 +105,13 @@ def pool_passes(oracle: dict[str, dict], after: dict[str, dict], budget: int, ma
     against that moment's noise. The figure is the median over both passes' steps, the peak the
     higher one; ``first_pass_steps`` keeps how many steps one pass took (a grid's cost). The oracle's
     best is the fastest config that is feasible by the search's own rule (peak plus margin within the
-    budget); the tuned config counts as over budget only when its peak exceeds the budget itself."""
+    budget); the tuned config counts as over budget only when its peak exceeds the budget itself.
+    ``first_pass`` keeps what a grid (one pass) would have seen: its figure and whether it fitted."""
     for key, row in oracle.items():
         tokens = row["tokens_per_s"] * row["step_time_s"]
         row["first_pass_steps"] = len(row["step_times"])
+        row["first_pass"] = {"tokens_per_s": row["tokens_per_s"],
+                             "feasible": row["peak_bytes"] * (1 + margin) <= budget}
         row["step_times"] = steps = row["step_times"] + after[key]["step_times"]
         row["step_time_s"] = statistics.median(steps)
         row["tokens_per_s"] = tokens / row["step_time_s"]
@@ -130,7 +131,7 @@ def run_search(workload: Workload, budget: int, storage: str, name: str,
         finished.append((config_key(record.config), record.tokens_per_s, record.state, time.monotonic() - start))
 
     result = cptune.search(workload, nproc=nproc, memory_budget=budget, storage=storage,
-                           study_name=name, settings=settings_for(workload), progress=progress)
+                           study_name=name, settings=SETTINGS, progress=progress)
     return result, finished
 
 
@@ -150,7 +151,9 @@ def main() -> None:
     results = {"command": "python -m benchmarks.run" + (" --quick" if args.quick else ""),
                "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {NPROC} gloo ranks x 1 thread, "
                           f"torch {torch.__version__}",
-               "date": stamp, "workloads": []}
+               "date": stamp, "workloads": [],
+               "settings": f"warm-up {SETTINGS.warmup}, at least {SETTINGS.min_repeats} steps and {SETTINGS.min_seconds:g} s, "
+                           f"at most {SETTINGS.max_repeats} steps"}
     with WorkerGroup(NPROC, timeout=900) as group:
         results["overhead"] = group.run(overhead_on_rank, 8192, 5)[0]
     print(f"wrapper overhead: {results['overhead']}", flush=True)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.report import analyse
+from benchmarks.report import _grid_text, analyse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +46,7 @@ def test_report_ratios_and_search_cost():
     assert abs(row["mem_err_mean"] - 0.2 / 3) < 1e-9 and abs(row["mem_err_max"] - 0.1) < 1e-9
 
 
-def test_oracle_pools_its_two_passes_and_the_grid_counts_one():
-    from benchmarks.report import _fixed_repeats_grid
+def test_oracle_pools_its_two_passes_and_the_grid_is_its_first():
     from benchmarks.run import pool_passes
 
     first = {"a": {"tokens_per_s": 10.0, "step_time_s": 1.0, "step_times": [1.0, 1.0], "peak_bytes": 90,
@@ -59,9 +58,20 @@ def test_oracle_pools_its_two_passes_and_the_grid_counts_one():
     assert a["step_times"] == [1.0, 1.0, 3.0, 3.0] and a["step_time_s"] == 2.0 and a["tokens_per_s"] == 5.0
     assert a["peak_bytes"] == 101 and a["feasible"] is False and a["fits"] is False  # the higher peak decides
     assert b["tokens_per_s"] == 5.0 and b["peak_bytes"] == 50 and b["feasible"] is True
+    assert a["first_pass_steps"] == 2 and a["spread"] == 1.0
+    # the first pass alone (a grid) saw a at 10 tokens/s, and within budget: it would have chosen a,
+    # which peaks over the budget once both passes count
+    assert a["first_pass"] == {"tokens_per_s": 10.0, "feasible": True}
+    for r in first.values():
+        r["predicted_bytes"] = r["peak_bytes"]
+    row = analyse({"name": "w", "oracle": first, "tuned": "b", "default": "b", "trace": [], "search_seconds": 3.0,
+                   "oracle_seconds": 6.0})
+    assert row["best"] == "b" and row["grid_seconds"] == 6.0
+    assert row["grid_choice"] == "a" and row["grid_over_oracle"] == 1.0 and row["grid_feasible"] is False
+    assert "over budget in 1" in _grid_text([row]) and _grid_text([row]).startswith("0.50 in total time")
     # peak 98 of a 100 budget: not feasible by the search's rule (5 % margin), yet it fits: a tuned
     # config there is not counted as over budget (the margin is the search's reserve)
-    edge = {"c": dict(first["b"], step_times=[2.0]), "d": dict(first["b"], step_times=[2.0])}
+    edge = {"c": dict(first["b"], step_times=[2.0]), "d": dict(first["b"], step_times=[2.5])}
     pool_passes(edge, {"c": {"step_times": [2.0], "peak_bytes": 98}, "d": {"step_times": [2.5], "peak_bytes": 9}},
                 100, 0.05)
     assert edge["c"]["feasible"] is False and edge["c"]["fits"] is True
@@ -70,9 +80,6 @@ def test_oracle_pools_its_two_passes_and_the_grid_counts_one():
     row = analyse({"name": "w", "oracle": edge, "tuned": "c", "default": "d", "trace": [], "search_seconds": 1.0,
                    "oracle_seconds": 1.0})
     assert row["best"] == "d" and row["tuned_feasible"] is True
-    assert a["first_pass_steps"] == 2 and a["spread"] == 1.0
-    # a grid giving each config 5 steps: one pass (10 s) + 3 more steps each at the pooled median
-    assert _fixed_repeats_grid({"tuned_measurements": 5, "oracle": first, "oracle_seconds": 10.0}) == 10 + 3 * 2 + 3 * 2
 
 
 def test_strategy_benchmark_bytes_from_shapes():
