@@ -23,6 +23,15 @@ def _first_hold(trace: list, target: str) -> tuple[int, float] | None:
     return None
 
 
+def _relative(oracle: dict, key: str) -> float:
+    """``key``'s throughput / the oracle's best among configs judged as ``key`` is: by the search's
+    rule (peak plus margin within budget) when it meets it, else among those whose peak fits the
+    budget (a config at the edge is compared with its peers, never with stricter ones: at most 1)."""
+    rule = "feasible" if oracle[key]["feasible"] else "fits"
+    peers = [r["tokens_per_s"] for r in oracle.values() if r.get(rule, r["feasible"])]
+    return oracle[key]["tokens_per_s"] / max(peers, default=oracle[key]["tokens_per_s"])
+
+
 def analyse(entry: dict) -> dict:
     oracle = entry["oracle"]
     best = _best(oracle)
@@ -34,7 +43,7 @@ def analyse(entry: dict) -> dict:
     tps = {k: r["tokens_per_s"] for k, r in oracle.items()}
     return {
         "name": entry["name"], "best": best, "tuned": tuned, "default": default,
-        "tuned_over_oracle": tps[tuned] / tps[best] if tuned else None,
+        "tuned_over_oracle": _relative(oracle, tuned) if tuned else None,
         "tuned_feasible": oracle[tuned].get("fits", oracle[tuned]["feasible"]) if tuned else None,
         "tuned_over_default": tps[tuned] / tps[default] if tuned and default in tps else None,
         "default_feasible": oracle.get(default, {}).get("feasible"),
@@ -42,13 +51,13 @@ def analyse(entry: dict) -> dict:
         "dp_feasible": oracle[dp_key]["feasible"] if dp_key else None,
         "hold_trials": hold[0] if hold else None, "hold_seconds": hold[1] if hold else None,
         "trials": len(entry["trace"]), "search_seconds": entry["search_seconds"],
-        "oracle_seconds": entry["oracle_seconds"], **_grid(entry, best),
+        "oracle_seconds": entry["oracle_seconds"], **_grid(entry),
         "startup_seconds": entry.get("startup_seconds"),
         "mem_err_mean": sum(errors) / len(errors), "mem_err_max": max(errors),
     }
 
 
-def _grid(entry: dict, best: str) -> dict:
+def _grid(entry: dict) -> dict:
     """The fixed-repeats grid: every config measured once at the search's settings, which is the
     oracle's first pass (start-up included, as in the search). Its time, its own choice (the fastest
     config that fitted in that pass alone) and that choice's throughput / the oracle's best."""
@@ -57,7 +66,7 @@ def _grid(entry: dict, best: str) -> dict:
               if r.get("first_pass", {}).get("feasible")}
     choice = max(fitted, key=fitted.get) if fitted else None
     return {"grid_seconds": entry["oracle_seconds"], "grid_choice": choice,
-            "grid_over_oracle": oracle[choice]["tokens_per_s"] / oracle[best]["tokens_per_s"] if choice else None,
+            "grid_over_oracle": _relative(oracle, choice) if choice else None,
             "grid_feasible": oracle[choice].get("fits", oracle[choice]["feasible"]) if choice else None}
 
 

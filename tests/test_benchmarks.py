@@ -80,6 +80,9 @@ def test_oracle_pools_its_two_passes_and_the_grid_is_its_first():
     row = analyse({"name": "w", "oracle": edge, "tuned": "c", "default": "d", "trace": [], "search_seconds": 1.0,
                    "oracle_seconds": 1.0})
     assert row["best"] == "d" and row["tuned_feasible"] is True
+    # c is faster than d, the best by the margin rule; c is judged among the configs that fit, so its
+    # ratio is against itself, not above 1 against a stricter set
+    assert edge["c"]["tokens_per_s"] > edge["d"]["tokens_per_s"] and row["tuned_over_oracle"] == 1.0
 
 
 def test_strategy_benchmark_bytes_from_shapes():

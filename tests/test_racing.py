@@ -78,3 +78,24 @@ def test_screening_runs_two_steps_at_least_so_the_peak_is_a_steady_one():
     assert racing.race_round(MeasureSettings(warmup=1), Workload(seq_len=64)).warmup == 0
     assert racing.race_round(MeasureSettings(warmup=0, min_repeats=3), Workload(seq_len=64)).min_repeats == 1
     assert racing.race_round(MeasureSettings(warmup=1), Workload(seq_len=64, compile=True)).warmup == 1
+
+
+def test_the_race_stops_once_no_survivor_can_beat_the_tie_rules_pick_by_more_than_the_indifference():
+    # DP is the tie rule's pick (more data parallelism; same memory) and the fastest; B is 4.5 % slower.
+    truth = {config_key(DP): 1.0, config_key(B): 0.955}
+    pick = lambda alive: racing.choose(alive, None)  # noqa: E731
+    measure, calls = _drifting(truth, 1.0)
+    out = racing.race(_record(0, DP), [_record(1, B)], config_key, measure, pick=pick)
+    # after 1 round B could still be up to 10 % better than measured (0.955 > 1 + 3 % - 10 %);
+    # after 2, the margin is 7.1 %: 0.955 <= 0.959, so more rounds cannot change the pick by more than 3 %
+    assert len(out["rounds"]) == 2 and out["settled"] == 2 and len(calls) == 4
+    assert out["survivors"] == [config_key(DP), config_key(B)]  # both stand: declared equivalent
+    assert "stopped: none of them can be more than 3% faster" in racing.summary(out, str)
+    # without the tie rule it runs all four rounds, and B is still within 5 % at the end
+    measure, calls = _drifting(truth, 1.0)
+    full = racing.race(_record(0, DP), [_record(1, B)], config_key, measure)
+    assert len(full["rounds"]) == 4 and full["settled"] is None and len(full["survivors"]) == 2
+    # when the pick is the slower one (B has less memory), the race goes on: B may be the worse choice
+    measure, calls = _drifting(truth, 1.0)
+    lean = racing.race(_record(0, DP, 2**30), [_record(1, B, 2**29)], config_key, measure, pick=pick)
+    assert len(lean["rounds"]) == 4 and lean["settled"] is None

@@ -298,6 +298,32 @@ def test_few_steps_are_not_trusted_closer_than_the_noise_floor(study_env):
     assert config_key(result.best.config) == "dp1-cp2-alltoall-lb-flash" and not result.tie
 
 
+def settle_measure(workload, config, settings):
+    """Steady steps, alltoall-lb 5 % faster than allgather-lb and leaner: the tie rule's pick is the faster one."""
+    key = config_key(config)
+    seconds = {"dp1-cp2-alltoall-lb-flash": 1.0, "dp1-cp2-allgather-lb-flash": 1.05}.get(key, 3.0)
+    log = os.environ.get("CPTUNE_TEST_LOG")
+    if log and dist.get_rank() == 0 and settings.warmup == 0:  # race rounds only
+        with open(log, "a") as f:
+            f.write(f"{key}\n")
+    peak = GiB // 2 if key == "dp1-cp2-alltoall-lb-flash" else GiB
+    return {"rank": dist.get_rank(), "times": [seconds] * 2, "peak": peak, "baseline": 0, "pid": os.getpid()}
+
+
+def test_the_race_stops_when_more_rounds_cannot_change_the_choice_by_more_than_3_percent(study_env):
+    storage, log = study_env
+    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=settle_measure,
+                           memory_budget="4GiB", settings=MeasureSettings(min_seconds=0))
+    a2a, ag = "dp1-cp2-alltoall-lb-flash", "dp1-cp2-allgather-lb-flash"
+    # allgather-lb at 0.952: inside round 2's 7.1 % margin (so not out), yet it cannot beat the pick
+    # (alltoall-lb: leaner) by more than 3 % + 0.952 - 1 + 7.1 %: the race stops after 2 rounds, not 4
+    assert log.read_text().split() == [a2a, ag, ag, a2a]
+    race = optuna.load_study(study_name=result.study_name, storage=storage).user_attrs["race"]
+    assert race["settled"] == 2 and race["survivors"] == [a2a, ag]
+    assert config_key(result.best.config) == a2a and {config_key(r.config) for r in result.tie} == {a2a, ag}
+    assert "stopped: none of them can be more than 3% faster" in result.race_note()
+
+
 def schedule_measure(workload, config, settings):
     dp, cp = config.mesh_shape
     return {"rank": dist.get_rank(), "times": [1.0 if cp == 1 else 1.5] * 3, "baseline": 0, "pid": os.getpid(),

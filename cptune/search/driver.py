@@ -275,7 +275,9 @@ def _race_leaders(evaluator, study, workload, settings, baseline, budget, margin
         study.set_user_attr(racing.EXTRA_ATTR, extra)
         return summary["tokens_per_s"]
 
-    study.set_user_attr(racing.RACE_ATTR, racing.race(leader, rivals, config_key, measure))
+    default = pytorch_default(workload, evaluator.world_size, evaluator.device_type)
+    study.set_user_attr(racing.RACE_ATTR, racing.race(leader, rivals, config_key, measure,
+                                                      pick=lambda alive: racing.choose(alive, default)))
 
 
 def _frozen(study: optuna.Study, trial: optuna.Trial) -> optuna.trial.FrozenTrial:

@@ -35,6 +35,10 @@ RACE_ROUNDS = 4
 RACE_FLOOR = 0.10
 """After k paired rounds, a survivor whose mean figure is below the best's by more than
 RACE_FLOOR / sqrt(k) is out: 10 % after one round, 5 % after four."""
+INDIFFERENCE = 0.03
+"""The race stops early when no survivor can be more than this share faster than the config the
+tie rule would pick: after k rounds, each survivor's figure / the pick's <= 1 + INDIFFERENCE -
+RACE_FLOOR / sqrt(k). More rounds could then change the choice by less than this."""
 MEMORY_TIE = 0.05
 """Peaks within this share of the lowest count as equal for the tie rule (a peak varies a little run to run)."""
 TIE_RULE = ("lower peak memory (within 5 % counts as equal), then PyTorch's default, then more data "
@@ -123,15 +127,19 @@ def standing(rounds: Sequence[dict[str, float]], keys: Sequence[str]) -> dict[st
 
 
 def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPConfig], str],
-         measure: Callable[[TrialRecord], float | None]) -> dict:
-    """Paired rounds among ``leader`` and ``rivals`` until one is left or RACE_ROUNDS have run.
+         measure: Callable[[TrialRecord], float | None],
+         pick: Callable[[list[TrialRecord]], TrialRecord] | None = None) -> dict:
+    """Paired rounds among ``leader`` and ``rivals`` until one is left, RACE_ROUNDS have run, or
+    (given ``pick``, the tie rule) no survivor can beat the pick by more than INDIFFERENCE.
 
     ``measure(record)`` times its config once more (a race round's length) and returns its
     tokens/s for that round, or None when the run failed (the config leaves the race).
     Returns {"rounds": [{key: tokens/s}], "survivors": [keys], "standing": {key: relative},
-    "out": {key: {"round": n, "relative": r (None: its run failed)}}}.
+    "out": {key: {"round": n, "relative": r (None: its run failed)}}, "settled": the round after
+    which it stopped early, or None}.
     """
     alive = [leader, *rivals]
+    settled = None
     rounds: list[dict[str, float]] = []
     rel: dict[str, float] = {}
     out: dict[str, dict] = {}  # key -> {"round": n, "relative": mean figure / the best's} (None: its run failed)
@@ -153,8 +161,19 @@ def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPCo
         alive = [r for r in alive if rel[key(r.config)] >= floor]
         if len(alive) == 1:
             break
+        if pick is not None and i + 1 < RACE_ROUNDS and _settled(alive, pick, rel, key, floor):
+            settled = i + 1
+            break
     return {"rounds": rounds, "survivors": [key(r.config) for r in alive],
-            "standing": {key(r.config): rel.get(key(r.config)) for r in alive}, "out": out}
+            "standing": {key(r.config): rel.get(key(r.config)) for r in alive}, "out": out, "settled": settled}
+
+
+def _settled(alive: list[TrialRecord], pick: Callable[[list[TrialRecord]], TrialRecord], rel: dict[str, float],
+             key: Callable[[CPConfig], str], floor: float) -> bool:
+    """Whether every survivor's figure / the pick's is within what noise and INDIFFERENCE allow:
+    ``floor`` is 1 - RACE_FLOOR / sqrt(rounds), so the bound is 1 + INDIFFERENCE - that margin."""
+    chosen = pick(alive)
+    return all(rel[key(r.config)] / rel[key(chosen.config)] <= floor + INDIFFERENCE for r in alive if r is not chosen)
 
 
 def summary(race: dict, label: Callable[[str], str]) -> str:
@@ -163,5 +182,7 @@ def summary(race: dict, label: Callable[[str], str]) -> str:
     gone = ", ".join(f"{label(k)} after round {o['round']} ("
                      f"{'failed' if o['relative'] is None else format(o['relative'], '.2f')})"
                      for k, o in race.get("out", {}).items())
+    early = (f"; stopped: none of them can be more than {INDIFFERENCE:.0%} faster than the tie rule's pick"
+             if race.get("settled") else "")
     return (f"{len(race['rounds'])} paired round(s), figures relative to the best over the same rounds: "
-            f"kept {kept}" + (f"; out: {gone}" if gone else ""))
+            f"kept {kept}" + (f"; out: {gone}" if gone else "") + early)
