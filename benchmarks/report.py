@@ -24,12 +24,12 @@ def _first_hold(trace: list, target: str) -> tuple[int, float] | None:
 
 
 def _relative(oracle: dict, key: str) -> float:
-    """``key``'s throughput / the oracle's best among configs judged as ``key`` is: by the search's
-    rule (peak plus margin within budget) when it meets it, else among those whose peak fits the
-    budget (a config at the edge is compared with its peers, never with stricter ones: at most 1)."""
-    rule = "feasible" if oracle[key]["feasible"] else "fits"
-    peers = [r["tokens_per_s"] for r in oracle.values() if r.get(rule, r["feasible"])]
-    return oracle[key]["tokens_per_s"] / max(peers, default=oracle[key]["tokens_per_s"])
+    """``key``'s throughput / the oracle's best (the fastest config feasible by the search's rule,
+    peak plus margin within budget). A config whose oracle peak fits the budget but not the margin
+    took a risk the oracle's best did not: a speed it bought that way counts as no better (at most 1)."""
+    best = max((r["tokens_per_s"] for r in oracle.values() if r["feasible"]), default=None)
+    ratio = oracle[key]["tokens_per_s"] / best if best else 1.0
+    return ratio if oracle[key]["feasible"] else min(1.0, ratio)
 
 
 def analyse(entry: dict) -> dict:
@@ -81,7 +81,7 @@ def _grid_text(rows: list[dict]) -> str:
             f"per workload {min(ratios):.2f}–{max(ratios):.2f} (geometric mean {_geomean(ratios):.2f})"
             f"{_startup_text(rows)}; that grid's own choice / oracle: geometric mean "
             f"{_fmt(_geomean(chose), '.3f')}, worst {_fmt(min(chose, default=None), '.3f')}"
-            f"{f', over budget in {over}' if over else ''} (the oracle pools the grid's pass, which favours it)")
+            f"{f', over budget in {over}' if over else ''} (the oracle's rounds come after, apart from the grid's pass)")
 
 
 def _startup_text(rows: list[dict]) -> str:

@@ -5,10 +5,10 @@
     python -m benchmarks.run --update-readme  # also rewrite README.md's Performance section
 
 For each workload (2 gloo ranks, 1 thread each; one workload on 4) it measures, in this one run:
-1. every valid configuration (the oracle: measured once before the search and once after it,
-   on fresh ranks each time, steps pooled, so drift during the search does not decide the
-   comparison), PyTorch's default (allgather, load balancing on, cp = world) among them, and the
-   configuration `cptune.search` picks when run on its own (fresh study): tuned/oracle and
+1. every valid configuration (the oracle: after the search, on fresh ranks, in 4 paired rounds,
+   each timing every config once, back to back, in alternating order, so the machine's drift
+   moves them alike), PyTorch's default (allgather, load balancing on, cp = world) among them, and
+   the configuration `cptune.search` picks when run on its own (fresh study): tuned/oracle and
    tuned/default throughput ratios;
 2. the no-communication limit (dp-only: each rank a whole sequence, no exchange) and CP
    parallel efficiency = best CP throughput / that limit;
@@ -29,9 +29,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -40,7 +40,7 @@ import torch
 
 import cptune
 from cptune.launch import WorkerGroup
-from cptune.search import MeasureSettings, Workload, all_configs, config_key, pytorch_default
+from cptune.search import MeasureSettings, Workload, all_configs, config_key, pytorch_default, racing
 from cptune.search.measure import baseline_on_rank, measure_on_rank, summarize
 from cptune.config import CPConfig
 from cptune.search.memory import default_budget, predict_peak
@@ -100,26 +100,54 @@ def oracle_pass(workload: Workload, nproc: int, baseline: int | None = None) -> 
         return baseline, measure_all(group, workload, baseline), startup
 
 
-def pool_passes(oracle: dict[str, dict], after: dict[str, dict], budget: int, margin: float) -> None:
-    """Pool the oracle's two passes, one before and one after the search, per config: a shared
-    machine drifts over minutes, and configs drift differently, so one pass would judge the search
-    against that moment's noise. The figure is the median over both passes' steps, the peak the
-    higher one; ``first_pass_steps`` keeps how many steps one pass took (a grid's cost). The oracle's
-    best is the fastest config that is feasible by the search's own rule (peak plus margin within the
-    budget); the tuned config counts as over budget only when its peak exceeds the budget itself.
-    ``first_pass`` keeps what a grid (one pass) would have seen: its figure and whether it fitted."""
+ORACLE_ROUNDS = 4
+
+
+def oracle_rounds(workload: Workload, nproc: int, baseline: int, rounds: int = ORACLE_ROUNDS) -> dict[str, dict]:
+    """The oracle's reference, after the search, on fresh ranks: every config timed once per round,
+    briefly (the search's race-round length) and back to back, the order reversed every other round,
+    as in the search's race. A shared machine drifts over minutes, and hits configs differently
+    (dp-only computes on every core; a CP config waits on communication), so a pass that times each
+    config at one moment judges against that moment; rounds spread every config over the same
+    moments. Per config: each round's tokens/s, the step times, and the highest peak (the first
+    round has the warm-up, so two steps at least)."""
+    configs = all_configs(workload, nproc, "cpu")
+    brief = racing.race_round(SETTINGS, workload)
+    rows = {config_key(c): {"round_tps": [], "step_times": [], "peak_bytes": 0} for c in configs}
+    with WorkerGroup(nproc, timeout=900) as group:
+        group.run(baseline_on_rank, [s for s in mesh_shapes(nproc) if s[1] > 1])  # as the search: groups made first
+        for i in range(rounds):
+            settings = brief.model_copy(update={"warmup": SETTINGS.warmup}) if i == 0 else brief
+            for config in configs if i % 2 == 0 else configs[::-1]:
+                got = summarize(group.run(measure_on_rank, workload, config, settings, timeout=900), workload, config,
+                                baseline)
+                row = rows[config_key(config)]
+                row["round_tps"].append(got["tokens_per_s"])
+                row["step_times"] += got["step_times"]
+                row["peak_bytes"] = max(row["peak_bytes"], got["peak_bytes"])
+    return rows
+
+
+def judge(oracle: dict[str, dict], rounds: dict[str, dict], budget: int, margin: float) -> None:
+    """Each config's reference figure: the geometric mean of its paired rounds' tokens/s (not
+    pooled with the first pass, which is the grid being judged; ``first_pass`` keeps what that grid
+    saw: its figure and whether it fitted, and ``first_pass_steps`` its steps). The peak is the
+    higher of the pass's and the rounds'. The oracle's best is the fastest config feasible by the
+    search's own rule (peak plus margin within the budget); ``fits``: the peak within the budget itself."""
     for key, row in oracle.items():
         tokens = row["tokens_per_s"] * row["step_time_s"]
         row["first_pass_steps"] = len(row["step_times"])
         row["first_pass"] = {"tokens_per_s": row["tokens_per_s"],
                              "feasible": row["peak_bytes"] * (1 + margin) <= budget}
-        row["step_times"] = steps = row["step_times"] + after[key]["step_times"]
-        row["step_time_s"] = statistics.median(steps)
-        row["tokens_per_s"] = tokens / row["step_time_s"]
-        row["spread"] = (max(steps) - min(steps)) / row["step_time_s"]
-        row["peak_bytes"] = max(row["peak_bytes"], after[key]["peak_bytes"])
+        figures = rounds[key]["round_tps"]
+        row["round_tps"] = figures
+        row["tokens_per_s"] = math.exp(sum(math.log(x) for x in figures) / len(figures))
+        row["step_time_s"] = tokens / row["tokens_per_s"]
+        row["step_times"] = rounds[key]["step_times"]
+        row["spread"] = (max(figures) - min(figures)) / row["tokens_per_s"]
+        row["peak_bytes"] = max(row["peak_bytes"], rounds[key]["peak_bytes"])
         row["feasible"] = row["peak_bytes"] * (1 + margin) <= budget  # the search's rule: the oracle's best
-        row["fits"] = row["peak_bytes"] <= budget  # the tuned config's test: the margin is the search's reserve
+        row["fits"] = row["peak_bytes"] <= budget
 
 
 def run_search(workload: Workload, budget: int, storage: str, name: str,
@@ -171,7 +199,7 @@ def main() -> None:
         t1 = time.monotonic()
         tuned, trace = run_search(workload, budget, storage, f"bench-{len(results['workloads'])}", nproc)
         search_seconds = time.monotonic() - t1
-        pool_passes(oracle, oracle_pass(workload, nproc, baseline)[1], budget, margin)  # the second, after
+        judge(oracle, oracle_rounds(workload, nproc, baseline), budget, margin)
         entry = {"name": name, "workload": workload.model_dump(mode="json"), "budget": budget,
                  "oracle": oracle, "oracle_seconds": oracle_seconds, "search_seconds": search_seconds,
                  "startup_seconds": startup_seconds,
