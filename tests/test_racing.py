@@ -89,8 +89,14 @@ def test_the_race_stops_once_no_survivor_can_beat_the_tie_rules_pick_by_more_tha
     # after 1 round B could still be up to 10 % better than measured (0.955 > 1 + 3 % - 10 %);
     # after 2, the margin is 7.1 %: 0.955 <= 0.959, so more rounds cannot change the pick by more than 3 %
     assert len(out["rounds"]) == 2 and out["settled"] == 2 and len(calls) == 4
-    assert out["survivors"] == [config_key(DP), config_key(B)]  # both stand: declared equivalent
+    # B stood within the race's margin, but more than 3 % below the pick: out, slower, not a tie
+    assert out["survivors"] == [config_key(DP)] and out["out"][config_key(B)]["round"] == 2
+    assert abs(out["out"][config_key(B)]["relative"] - 0.955) < 1e-9
     assert "stopped: none of them can be more than 3% faster" in racing.summary(out, str)
+    # 2.5 % below the pick after 3 rounds (bound 1 + 3 % - 5.8 %): stops there, and the two are a tie
+    measure, calls = _drifting({config_key(DP): 1.0, config_key(B): 0.971}, 1.0)
+    tie = racing.race(_record(0, DP), [_record(1, B)], config_key, measure, pick=pick)
+    assert tie["settled"] == 3 and tie["survivors"] == [config_key(DP), config_key(B)] and not tie["out"]
     # without the tie rule it runs all four rounds, and B is still within 5 % at the end
     measure, calls = _drifting(truth, 1.0)
     full = racing.race(_record(0, DP), [_record(1, B)], config_key, measure)
@@ -99,3 +105,18 @@ def test_the_race_stops_once_no_survivor_can_beat_the_tie_rules_pick_by_more_tha
     measure, calls = _drifting(truth, 1.0)
     lean = racing.race(_record(0, DP, 2**30), [_record(1, B, 2**29)], config_key, measure, pick=pick)
     assert len(lean["rounds"]) == 4 and lean["settled"] is None
+
+
+def test_a_warm_up_faster_than_the_timed_step_widens_the_range_up_to_it():
+    # one timed step at 8 400 tokens/s, its warm-up at 12 000: the step was slowed by something
+    # else, so the config may be as fast as its warm-up and must race a leader at 11 500
+    slowed = TrialRecord(number=0, config=DP, state="ok", tokens_per_s=8400.0, tps_low=8400.0, tps_high=8400.0,
+                         measurements=1, warmup_tps=12000.0, peak_bytes=1)
+    assert racing.noise_range(slowed) == (8400.0 * 0.85, 12000.0)
+    leader = TrialRecord(number=1, config=A, state="ok", tokens_per_s=11500.0, tps_low=11500.0, tps_high=11500.0,
+                         measurements=1, peak_bytes=1)
+    assert racing.contenders([leader, slowed]) == (leader, [slowed])
+    assert racing.contenders([leader, slowed.__class__(**{**slowed.__dict__, "warmup_tps": None})]) == (leader, [])
+    # from 5 steps on, the median is not one disturbed step: the warm-up does not widen it
+    steady = slowed.__class__(**{**slowed.__dict__, "measurements": 5})
+    assert racing.noise_range(steady) == (8400.0, 8400.0)

@@ -154,4 +154,6 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, ba
         "step_times": steps,
         "spread": (max(steps) - min(steps)) / step_time if steps else 0.0,
         **({"compile_s": max(0.0, max(firsts) - step_time)} if workload.compile and all(firsts) else {}),
+        # the warm-up step's figure (slowest rank): a timed step slower than it was slowed by something else
+        **({"warmup_tokens_per_s": tokens_per_step(workload, config) / max(firsts)} if all(firsts) else {}),
     }

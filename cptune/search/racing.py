@@ -38,7 +38,8 @@ RACE_FLOOR / sqrt(k) is out: 10 % after one round, 5 % after four."""
 INDIFFERENCE = 0.03
 """The race stops early when no survivor can be more than this share faster than the config the
 tie rule would pick: after k rounds, each survivor's figure / the pick's <= 1 + INDIFFERENCE -
-RACE_FLOOR / sqrt(k). More rounds could then change the choice by less than this."""
+RACE_FLOOR / sqrt(k). More rounds could then change the choice by less than this. Survivors
+then more than this share slower than the pick are out; those within it are equivalent."""
 MEMORY_TIE = 0.05
 """Peaks within this share of the lowest count as equal for the tie rule (a peak varies a little run to run)."""
 TIE_RULE = ("lower peak memory (within 5 % counts as equal), then PyTorch's default, then more data "
@@ -82,14 +83,18 @@ def apply_spread(record: TrialRecord, tokens_per_step: float, extra_times: Seque
 
 
 def noise_range(r: TrialRecord) -> tuple[float, float]:
-    """The range a figure could be in: its IQR, widened to at least ±NOISE_FLOOR from few steps.
+    """The range a figure could be in: its IQR, widened to at least ±NOISE_FLOOR from few steps,
+    and up to the warm-up step's figure when that was faster.
 
     A few consecutive steps vary less than the same configuration measured again a minute
     later on a shared machine, so their IQR alone would claim a confidence it does not have.
+    A warm-up step pays one-time costs, so timed steps slower than it were slowed by something
+    else (another process on a shared machine): the config may be as fast as its warm-up.
     """
     low, high = r.tps_low, r.tps_high
     if (r.measurements or 0) < FEW_STEPS:
         low, high = min(low, r.tokens_per_s * (1 - NOISE_FLOOR)), max(high, r.tokens_per_s * (1 + NOISE_FLOOR))
+        high = max(high, r.warmup_tps or 0.0)
     return low, high
 
 
@@ -162,7 +167,12 @@ def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPCo
         if len(alive) == 1:
             break
         if pick is not None and i + 1 < RACE_ROUNDS and _settled(alive, pick, rel, key, floor):
-            settled = i + 1
+            settled = i + 1  # the tie: those within INDIFFERENCE of the pick; the rest are out, slower than it
+            chosen = rel[key(pick(alive).config)]
+            slower = {k: {"round": i + 1, "relative": rel[k]} for k in map(key, (r.config for r in alive))
+                      if rel[k] < chosen * (1 - INDIFFERENCE)}
+            out.update(slower)
+            alive = [r for r in alive if key(r.config) not in slower]
             break
     return {"rounds": rounds, "survivors": [key(r.config) for r in alive],
             "standing": {key(r.config): rel.get(key(r.config)) for r in alive}, "out": out, "settled": settled}

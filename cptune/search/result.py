@@ -30,6 +30,7 @@ class TrialRecord:
     step_times: list[float] | None = None  # the slowest rank's time per timed step
     tps_low: float | None = None  # tokens/s interquartile range over the steps
     tps_high: float | None = None
+    warmup_tps: float | None = None  # tokens/s of the warm-up step (with torch.compile: compiling included)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -80,7 +81,7 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
                        step_time_s=a.get("step_time_s"), peak_bytes=peak,
                        predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"),
                        feasible=feasible, reason=reason, compile_s=a.get("compile_s"), headroom=headroom,
-                       step_times=a.get("step_times"))
+                       step_times=a.get("step_times"), warmup_tps=a.get("warmup_tokens_per_s"))
 
 
 @dataclass
