@@ -10,8 +10,9 @@ race in *paired rounds*: each round times every survivor once more, briefly and 
 (in alternating order), so they share the machine's state of that moment. Survivors are compared
 by their mean log figure over the same rounds, so a slowdown of the machine between rounds cancels
 out; a survivor more than ``RACE_FLOOR / sqrt(rounds)`` below the best is out. After
-``RACE_ROUNDS`` rounds, the survivors still within that margin are *equivalent*: this machine
-cannot tell them apart, and the search says so. Among them the choice follows a stated rule,
+``RACE_ROUNDS`` rounds (or earlier, once more rounds could not change the choice by more than
+``INDIFFERENCE``), the survivors within ``INDIFFERENCE`` of the best are *equivalent*: this
+machine cannot tell them apart, and the search says so. Among them the choice follows a stated rule,
 ``TIE_RULE``. Every raced step also pools into the configuration's figure and spread.
 """
 
@@ -38,8 +39,9 @@ RACE_FLOOR / sqrt(k) is out: 10 % after one round, 5 % after four."""
 INDIFFERENCE = 0.03
 """The race stops early when no survivor can be more than this share faster than the config the
 tie rule would pick: after k rounds, each survivor's figure / the pick's <= 1 + INDIFFERENCE -
-RACE_FLOOR / sqrt(k). More rounds could then change the choice by less than this. Survivors
-then more than this share slower than the pick are out; those within it are equivalent."""
+RACE_FLOOR / sqrt(k). More rounds could then change the choice by less than this. When the race
+ends (so, or after RACE_ROUNDS), survivors more than this share below the best are out, slower;
+those within it are equivalent, and the tie rule chooses among them."""
 MEMORY_TIE = 0.05
 """Peaks within this share of the lowest count as equal for the tie rule (a peak varies a little run to run)."""
 TIE_RULE = ("lower peak memory (within 5 % counts as equal), then PyTorch's default, then more data "
@@ -167,13 +169,13 @@ def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPCo
         if len(alive) == 1:
             break
         if pick is not None and i + 1 < RACE_ROUNDS and _settled(alive, pick, rel, key, floor):
-            settled = i + 1  # the tie: those within INDIFFERENCE of the pick; the rest are out, slower than it
-            chosen = rel[key(pick(alive).config)]
-            slower = {k: {"round": i + 1, "relative": rel[k]} for k in map(key, (r.config for r in alive))
-                      if rel[k] < chosen * (1 - INDIFFERENCE)}
-            out.update(slower)
-            alive = [r for r in alive if key(r.config) not in slower]
+            settled = i + 1
             break
+    if len(alive) > 1:  # the tie: those within INDIFFERENCE of the best; the rest are out, slower
+        slower = {key(r.config): {"round": len(rounds), "relative": rel[key(r.config)]} for r in alive
+                  if rel[key(r.config)] < 1 - INDIFFERENCE}
+        out.update(slower)
+        alive = [r for r in alive if key(r.config) not in slower]
     return {"rounds": rounds, "survivors": [key(r.config) for r in alive],
             "standing": {key(r.config): rel.get(key(r.config)) for r in alive}, "out": out, "settled": settled}
 
