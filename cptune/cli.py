@@ -101,8 +101,7 @@ def _init_torchrun() -> bool:
 @click.option("--trial-timeout", type=float, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
 @click.option("--sampler", type=click.Choice(["auto", "grid", "tpe"]), default="auto", show_default=True)
 @click.option("--min-seconds", type=float, default=1.0, show_default=True,
-              help="Timing scale: screening and each race round time a config for a quarter of this "
-                   "(and of the 20-step cap; 1 step at least).")
+              help="Timing scale: screening and each race round time a config for a quarter of this (1 step at least).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")

@@ -28,7 +28,7 @@ from .result import TrialRecord
 from .workload import Workload
 
 SCREEN_SHARE = 0.25
-"""Screening and each race round time a configuration for this share of ``min_seconds`` and of ``max_repeats``."""
+"""Screening and each race round time a configuration for this share of ``min_seconds``."""
 NOISE_FLOOR = 0.15
 FEW_STEPS = 5
 """A figure from fewer than FEW_STEPS timed steps is taken as uncertain by at least ±NOISE_FLOOR."""
@@ -55,8 +55,7 @@ def screening(settings: MeasureSettings) -> MeasureSettings:
     but two steps run at least (warm-up included): a rank's peak memory can rise on its second
     step (the allocator's state after the first), and screening is where the peak is read."""
     least = max(1, min(settings.min_repeats, 2 - settings.warmup))
-    return settings.model_copy(update={"min_seconds": settings.min_seconds * SCREEN_SHARE, "min_repeats": least,
-                                       "max_repeats": max(least, math.ceil(settings.max_repeats * SCREEN_SHARE))})
+    return settings.model_copy(update={"min_seconds": settings.min_seconds * SCREEN_SHARE, "min_repeats": least})
 
 
 def race_round(settings: MeasureSettings, workload: Workload) -> MeasureSettings:
