@@ -51,9 +51,9 @@ RACE_ATTR = "race"  # study attribute: the last race, as :func:`race` returns it
 
 
 def screening(settings: MeasureSettings) -> MeasureSettings:
-    """Brief: a share of the time and of the step cap (short steps stop at the cap before the time),
-    but two steps run at least (warm-up included): a rank's peak memory can rise on its second
-    step (the allocator's state after the first), and screening is where the peak is read."""
+    """Brief (a share of ``min_seconds``), but two steps run at least (warm-up included): a rank's
+    peak memory can rise on its second step (the allocator's state after the first), and
+    screening is where the peak is read."""
     least = max(1, min(settings.min_repeats, 2 - settings.warmup))
     return settings.model_copy(update={"min_seconds": settings.min_seconds * SCREEN_SHARE, "min_repeats": least})
 
