@@ -1,10 +1,12 @@
 """The ``cptune`` command: each subcommand is a thin call into the library.
 
-Any :class:`~cptune.CPTuneError` becomes a message on stderr and exit code 1.
+Any :class:`~cptune.CPTuneError` becomes a message on stderr and exit code 1; Ctrl-C, exit code 130
+(``cptune search`` stops cleanly on SIGINT or SIGTERM and says how to resume).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -24,6 +26,9 @@ class _Group(click.Group):
         except CPTuneError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
             ctx.exit(1)
+        except KeyboardInterrupt:  # Ctrl-C where no command holds it: the shell's code, not click's "Aborted!"
+            click.echo("\ncptune: interrupted", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=_Group)
@@ -101,7 +106,8 @@ def _init_torchrun() -> bool:
 @click.option("--trial-timeout", type=float, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
 @click.option("--sampler", type=click.Choice(["auto", "grid", "tpe"]), default="auto", show_default=True)
 @click.option("--min-seconds", type=float, default=1.0, show_default=True,
-              help="Timing scale: screening and each race round time a config for a quarter of this (1 step at least).")
+              help="Timing scale: screening and each race round time a config for a quarter of this "
+                   "(and of the 20-step cap; 1 step at least).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
@@ -117,7 +123,6 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     import optuna
     import torch
 
-    from .recipe import recipe_from_search, save_recipe
     from .search import MeasureSettings, Workload
     from .search import search as run_search
 
@@ -136,22 +141,31 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if is_rank0:
         click.echo(f"cptune search: {workload.describe()}", err=True)
-    from .search.interrupts import SearchInterrupted
+    from .recipe import command_line
+    from .search.interrupts import Interrupts, SearchInterrupted
 
-    try:
-        results = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc, device=device,
-                             memory_budget=memory_budget, memory_margin=memory_margin, storage=storage,
-                             study_name=study_name, n_trials=n_trials, timeout=timeout, trial_timeout=trial_timeout,
-                             sampler=sampler, settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
+    results = None
+    try:  # a signal while the result is printed or the recipe written is held to the end, then stops too
+        with Interrupts() if is_rank0 else contextlib.nullcontext():
+            results = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc,
+                                 device=device, memory_budget=memory_budget, memory_margin=memory_margin,
+                                 storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
+                                 trial_timeout=trial_timeout, sampler=sampler,
+                                 settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
+            if results is not None:  # None: a torchrun rank other than 0
+                _report_search(results if isinstance(results, list) else [results], as_json, out, script)
     except SearchInterrupted as exc:
-        from .recipe import command_line
-
-        click.echo(f"\ncptune search: stopped by {exc} with {exc.stored} trial(s) stored in study {exc.study_name}; "
-                   f"resume with: {command_line()}", err=True)
+        done = results if isinstance(results, list) else [results] if results else []
+        if not exc.study_name and done:  # every study was complete: resuming prints the result at once
+            exc = SearchInterrupted(exc.signum, done[-1].study_name, len(done[-1].trials))
+        click.echo("\n" + exc.message(command_line()), err=True)
         sys.exit(exc.exit_code)
-    if results is None:  # a torchrun rank other than 0
-        return
-    results = results if isinstance(results, list) else [results]
+
+
+def _report_search(results, as_json: bool, out: str | None, script: str | None) -> None:
+    """Print a search's results (a table each, or JSON) and write the recipe(s) for ``--out``."""
+    from .recipe import recipe_from_search, save_recipe
+
     if as_json:
         data = [r.to_dict() for r in results]
         click.echo(json.dumps(data if len(results) > 1 else data[0], indent=2))

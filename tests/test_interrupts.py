@@ -1,6 +1,7 @@
 """A real Ctrl-C (SIGINT) and a scheduler's SIGTERM to a real `cptune search`: clean stop, nothing lost."""
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -114,3 +115,96 @@ def test_signal_during_a_trial_records_it_interrupted_and_resume_measures_it(tmp
     resumed = cptune.search(Workload(seq_len=1024), measure=slow_second_trial, **kw)
     assert resumed.complete and all(r.state == "ok" for r in resumed.trials)
     assert "dp1-cp2-alltoall-nolb-flash" in {config_key(r.config) for r in resumed.trials}
+
+
+def paced_step(workload, device):
+    """A --workload step that takes the same time in every configuration, so the leaders tie and race.
+    Once the test creates the file $CPTUNE_TEST_HOLD, building it says so (a second file) and waits."""
+    import torch
+
+    hold = os.environ.get("CPTUNE_TEST_HOLD")
+    if hold and os.path.exists(hold):
+        open(hold + ".racing", "a").close()
+        time.sleep(60)
+    x = torch.zeros(workload.batch, workload.seq_len, device=device)
+
+    def step(x):  # in proportion to this rank's tokens (the same tokens/s for dp and cp), ±30 %: within noise
+        time.sleep(0.04 * x.numel() / workload.seq_len * random.uniform(0.7, 1.3))
+
+    return step, [x], [1]
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_the_race_stops_cleanly_and_resume_races_again(tmp_path, sig, code):
+    """Screening done, the leaders racing: the signal still stops the search cleanly (not click's
+    'Aborted!', not a killed process), and the resumed search runs the race it lost."""
+    storage = f"sqlite:///{tmp_path / 'r.db'}"
+    hold = tmp_path / "hold"
+    cmd = [sys.executable, "-m", "cptune", "search", "--seq-len", "256", "--heads", "2", "--head-dim", "16",
+           "--nproc", "2", "--workload", "tests.test_interrupts:paced_step", "--storage", storage]
+    env = {**os.environ, "CPTUNE_TEST_HOLD": str(hold), "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    while True:  # every configuration screened: the race comes next
+        line = proc.stderr.readline()
+        assert line, "search ended before screening did: " + "".join(seen)
+        seen.append(line)
+        done, total = line.split("] ")[1].split()[0].split("/") if "] " in line else ("0", "1")
+        if done == total:
+            break
+    hold.touch()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "hold.racing").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "no race round started: " + "".join(seen)
+        time.sleep(0.05)
+    ranks = _children(proc.pid)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    err = "".join(seen) + err
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "Error" not in err and "Aborted" not in err, err
+    stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
+    assert len(stop) == 1 and f"with {total} trial(s) stored" in stop[0] and "resume with: " in stop[0], err
+    time.sleep(0.5)
+    assert ranks and not any(_alive(p) for p in ranks)
+    name = stop[0].split("in study ")[1].split(";")[0]
+    study = optuna.load_study(study_name=name, storage=storage)
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)  # screening is whole
+    assert study.user_attrs["race"] == {"running": True}  # a race cut short decides nothing
+
+    hold.unlink()
+    resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "0 trial(s) run now" in resumed.stdout  # nothing measured twice ...
+    assert "race:" in resumed.stdout, resumed.stdout  # ... but the race ran again, to its end
+    race = optuna.load_study(study_name=name, storage=storage).user_attrs["race"]
+    assert race and race.get("survivors"), race
+
+
+def test_a_signal_held_outside_a_trial_is_never_dropped():
+    """Bookkeeping holds a signal; leaving the window raises it, and an inner window (the library's
+    search inside the CLI) takes over one the outer window held."""
+    from cptune.search.interrupts import Interrupts, SearchInterrupted
+
+    with pytest.raises(SearchInterrupted) as info:
+        with Interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)  # held: not inside a measurement
+            time.sleep(0.1)
+            reached = True  # the code after the signal still ran: the study is never left half-written
+    assert reached and info.value.exit_code == 143
+    with pytest.raises(SearchInterrupted) as info:
+        with Interrupts() as outer:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+            with Interrupts() as inner:
+                assert inner.pending == signal.SIGINT and outer.pending is None
+    assert info.value.exit_code == 130
+    with pytest.raises(SearchInterrupted):
+        with Interrupts() as outer:
+            with pytest.raises(ValueError):  # an error on its way out hands the held signal back to the outer window
+                with Interrupts():
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.1)
+                    raise ValueError
+            assert outer.pending == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored

@@ -71,6 +71,9 @@ def test_screening_runs_two_steps_at_least_so_the_peak_is_a_steady_one():
     assert steps(racing.screening(MeasureSettings(warmup=1, min_repeats=3))) == 2
     assert racing.screening(MeasureSettings(warmup=0, min_repeats=1)).min_repeats == 1  # asked for one: one
     assert racing.screening(MeasureSettings(min_seconds=2.0)).min_seconds == 0.5
+    # short steps stop at the step cap before the time: screening takes a share of the cap too
+    assert racing.screening(MeasureSettings(max_repeats=20)).max_repeats == 5
+    assert racing.screening(MeasureSettings(warmup=0, min_repeats=3, max_repeats=3)).max_repeats == 2
     # a race round skips the warm-up, unless the step compiles
     assert racing.race_round(MeasureSettings(warmup=1), Workload(seq_len=64)).warmup == 0
     assert racing.race_round(MeasureSettings(warmup=0, min_repeats=3), Workload(seq_len=64)).min_repeats == 1

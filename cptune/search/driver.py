@@ -136,8 +136,8 @@ def _finished(study: optuna.Study, budget: int | None = None) -> dict[str, optun
 
 def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_name: str | None,
                 n_trials: int | None, timeout: float | None, sampler: str, seed: int | None,
-                settings: MeasureSettings, progress: Progress | None, confirm: bool = True,
-                margin: float = 0.0) -> SearchResult:
+                settings: MeasureSettings, progress: Progress | None, interrupts: Interrupts,
+                confirm: bool = True, margin: float = 0.0) -> SearchResult:
     world, device = evaluator.world_size, evaluator.device_type
     storage_obj = get_storage(storage)
     env = environment(device, world, evaluator.nproc_per_node)
@@ -151,16 +151,15 @@ def _run_search(evaluator, workload: Workload, *, budget: int, storage, study_na
         open_points.setdefault(config_key(config_from(params)), params)
     wanted = set(open_points)
     exhaustive = sampler == "grid" or (sampler == "auto" and len(wanted) <= GRID_LIMIT)
-    interrupts = Interrupts()
-    with interrupts:
-        try:
-            return _search_loop(evaluator, study, workload, ax, open_points, wanted, done, budget=budget,
-                                n_trials=n_trials, timeout=timeout, exhaustive=exhaustive, settings=settings,
-                                progress=progress, confirm=confirm, margin=margin, interrupts=interrupts,
-                                name=name, storage=storage)
-        except SearchInterrupted as exc:
-            evaluator.abort()  # the ranks may be mid-trial: stop them now, leave no process behind
-            raise SearchInterrupted(exc.signum, name, len(_finished(study))) from None
+    try:
+        result = _search_loop(evaluator, study, workload, ax, open_points, wanted, done, budget=budget,
+                              n_trials=n_trials, timeout=timeout, exhaustive=exhaustive, settings=settings,
+                              progress=progress, confirm=confirm, margin=margin, interrupts=interrupts,
+                              name=name, storage=storage)
+        interrupts.check()  # held through the race's last bookkeeping: stop before the next length
+        return result
+    except SearchInterrupted as exc:
+        raise SearchInterrupted(exc.signum, name, len(_finished(study))) from None
 
 
 def _search_loop(evaluator, study, workload, ax, open_points, wanted, done, *, budget, n_trials, timeout,
@@ -209,7 +208,8 @@ def _search_loop(evaluator, study, workload, ax, open_points, wanted, done, *, b
         evaluated += 1
         if progress is not None:
             progress(record_from(frozen, budget, margin), len(set(done) & wanted), len(wanted))
-    if evaluated and confirm:
+    cut_short = study.user_attrs.get(racing.RACE_ATTR) == racing.RACING  # a stopped search's race
+    if confirm and (evaluated or cut_short):
         _race_leaders(evaluator, study, workload, settings, baseline, budget, margin, interrupts)
     return result_from_study(study, budget=budget, margin=margin, evaluated=evaluated,
                              complete=not (wanted - set(done)), storage=storage)
@@ -257,10 +257,11 @@ def _records(study, workload: Workload, budget: int, margin: float) -> list[Tria
 
 def _race_leaders(evaluator, study, workload, settings, baseline, budget, margin, interrupts) -> None:
     """Race the leader and the configs within its spread in paired rounds (see :mod:`.racing`)."""
-    study.set_user_attr(racing.RACE_ATTR, None)  # an earlier race no longer holds; one cut short decides nothing
     leader, rivals = racing.contenders(_records(study, workload, budget, margin))
     if leader is None or not rivals:
+        study.set_user_attr(racing.RACE_ATTR, None)  # an earlier race no longer holds
         return
+    study.set_user_attr(racing.RACE_ATTR, racing.RACING)  # one cut short decides nothing; a resume races again
     brief = racing.race_round(settings, workload)
 
     def measure(record: TrialRecord) -> float | None:

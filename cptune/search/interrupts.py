@@ -1,9 +1,12 @@
 """Stopping a search cleanly on Ctrl-C (SIGINT) or a scheduler's SIGTERM.
 
 While a trial is being measured the signal stops it at once; anywhere else (Optuna storage
-writes, bookkeeping) it is held until the driver reaches a safe point, so the study is never
-left half-written. The trial that was running is recorded as interrupted, which a resumed
-search measures again (a trial that failed on its own is not retried).
+writes, bookkeeping, starting or closing the ranks, writing a recipe) it is held until the
+driver reaches a safe point, so the study is never left half-written. A held signal is never
+dropped: leaving the :class:`Interrupts` window raises it at the latest. The trial that was
+running is recorded as interrupted, which a resumed search measures again (a trial that failed
+on its own is not retried). Windows nest: an inner one (the library's ``search``) takes over a
+signal the outer one (the CLI) held, and hands back one it held when an error ends it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ class SearchInterrupted(BaseException):
     def exit_code(self) -> int:
         return 128 + self.signum
 
+    def message(self, command: str) -> str:
+        """The one line a user sees: what was stopped, what is kept, and the command that resumes."""
+        name = signal.Signals(self.signum).name
+        if not self.study_name:
+            return f"cptune search: stopped by {name} before any trial was stored; rerun with: {command}"
+        return (f"cptune search: stopped by {name} with {self.stored} trial(s) stored in study {self.study_name}; "
+                f"resume with: {command}")
+
 
 class Interrupts:
     """Installs SIGINT/SIGTERM handlers for a search (main thread only) and restores them after."""
@@ -45,12 +56,25 @@ class Interrupts:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+            outer = self._outer()
+            if outer is not None and outer.pending is not None:  # held by the outer window: ours now
+                self.pending, outer.pending = outer.pending, None
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def _outer(self) -> Interrupts | None:
+        owner = getattr(self._old.get(signal.SIGINT), "__self__", None)
+        return owner if isinstance(owner, Interrupts) else None
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        outer = self._outer()
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        if exc_type is None:
+            self.check()  # a signal held to the end still stops the caller
+        elif outer is not None and self.pending is not None and outer.pending is None:
+            outer.pending = self.pending  # an error is on its way out: the outer window decides
+        self.pending = None
 
     def check(self) -> None:
         """A safe point: raise if a signal arrived meanwhile."""

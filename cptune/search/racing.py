@@ -28,7 +28,7 @@ from .result import TrialRecord
 from .workload import Workload
 
 SCREEN_SHARE = 0.25
-"""Screening and each race round time a configuration for this share of ``min_seconds``."""
+"""Screening and each race round time a configuration for this share of ``min_seconds`` and of ``max_repeats``."""
 NOISE_FLOOR = 0.15
 FEW_STEPS = 5
 """A figure from fewer than FEW_STEPS timed steps is taken as uncertain by at least ±NOISE_FLOOR."""
@@ -48,14 +48,17 @@ TIE_RULE = ("lower peak memory (within 5 % counts as equal), then PyTorch's defa
             "parallelism (less communication), then the label")
 EXTRA_ATTR = "extra_step_times"  # study attribute: config key -> step times measured while racing
 RACE_ATTR = "race"  # study attribute: the last race, as :func:`race` returns it (None: none holds)
+RACING = {"running": True}
+"""RACE_ATTR while a race runs: left so by a stopped search, it tells the resumed search to race again."""
 
 
 def screening(settings: MeasureSettings) -> MeasureSettings:
-    """Brief (a share of ``min_seconds``), but two steps run at least (warm-up included): a rank's
-    peak memory can rise on its second step (the allocator's state after the first), and
-    screening is where the peak is read."""
+    """Brief: a share of the time and of the step cap (short steps stop at the cap before the time),
+    but two steps run at least (warm-up included): a rank's peak memory can rise on its second
+    step (the allocator's state after the first), and screening is where the peak is read."""
     least = max(1, min(settings.min_repeats, 2 - settings.warmup))
-    return settings.model_copy(update={"min_seconds": settings.min_seconds * SCREEN_SHARE, "min_repeats": least})
+    return settings.model_copy(update={"min_seconds": settings.min_seconds * SCREEN_SHARE, "min_repeats": least,
+                                       "max_repeats": max(least, math.ceil(settings.max_repeats * SCREEN_SHARE))})
 
 
 def race_round(settings: MeasureSettings, workload: Workload) -> MeasureSettings:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ..errors import Problem, ValidationError, raise_if
 from .driver import Progress, _run_search
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator
-from .interrupts import SearchInterrupted
+from .interrupts import Interrupts, SearchInterrupted
 from .measure import MeasureSettings, measure_on_rank
 from .memory import default_budget, parse_size
 from .result import SearchResult
@@ -119,32 +119,39 @@ def search(
     kwargs: dict[str, Any] = dict(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                   sampler=sampler, seed=seed, settings=settings, progress=progress, confirm=confirm,
                                   margin=memory_margin)
-    if dist.is_initialized():
-        evaluator = SPMDEvaluator(trial_timeout, measure)
-        if dist.get_rank() != 0:
-            evaluator.follow()
-            return None
-    else:
-        if nproc is None:
-            import torch
+    if dist.is_initialized() and dist.get_rank() != 0:
+        SPMDEvaluator(trial_timeout, measure).follow()  # serve rank 0's trials; torchrun stops this rank
+        return None
+    if nproc is None and not dist.is_initialized():
+        import torch
 
-            nproc = torch.cuda.device_count() if device == "cuda" else 2
-        evaluator = LocalEvaluator(nproc, device, trial_timeout, measure)
-    interrupted = False
+        nproc = torch.cuda.device_count() if device == "cuda" else 2
+    results: list[SearchResult] = []
+    interrupts = Interrupts()  # the driver's window: starting the ranks, every length, closing them
     try:
-        budget = parse_size(memory_budget) if memory_budget is not None else \
-            default_budget(evaluator.device_type, evaluator.nproc_per_node)
-        results = []
-        for w in workloads:
-            name = study_name if study_name is None or len(workloads) == 1 else f"{study_name}-S{w.seq_len}"
-            results.append(_run_search(evaluator, w, budget=budget, **{**kwargs, "study_name": name}))
-        return results if seq_lens else results[0]
-    except SearchInterrupted:
-        interrupted = True
+        with interrupts:
+            evaluator = SPMDEvaluator(trial_timeout, measure) if dist.is_initialized() else \
+                LocalEvaluator(nproc, device, trial_timeout, measure)
+            stopped = False
+            try:
+                budget = parse_size(memory_budget) if memory_budget is not None else \
+                    default_budget(evaluator.device_type, evaluator.nproc_per_node)
+                for w in workloads:
+                    name = study_name if study_name is None or len(workloads) == 1 else f"{study_name}-S{w.seq_len}"
+                    results.append(_run_search(evaluator, w, budget=budget, interrupts=interrupts,
+                                               **{**kwargs, "study_name": name}))
+            except SearchInterrupted:
+                stopped = True
+                evaluator.abort()  # the ranks may be mid-trial: stop them now, leave no process behind
+                raise
+            finally:
+                if not stopped:
+                    evaluator.close()
+    except SearchInterrupted as exc:
+        if not exc.study_name and results:  # held while the ranks closed: every study is complete
+            raise SearchInterrupted(exc.signum, results[-1].study_name, len(results[-1].trials)) from None
         raise
-    finally:
-        if not interrupted:
-            evaluator.close()
+    return results if seq_lens else results[0]
 
 
 __all__ = ["search", "DEFAULT_MARGIN"]
