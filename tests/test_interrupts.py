@@ -25,6 +25,21 @@ def _alive(pid):
     return state not in ("Z", "X")
 
 
+def _stop_cleanly(proc, sig, code, seen):
+    """Send ``sig`` to a running `cptune search`; check it stopped cleanly. Returns the stop line."""
+    ranks = _children(proc.pid)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    err = "".join(seen) + err
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "Error" not in err and "Aborted" not in err, err
+    stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
+    assert len(stop) == 1 and "trial(s) stored in study" in stop[0] and "resume with: " in stop[0], err
+    time.sleep(0.5)
+    assert ranks and not any(_alive(p) for p in ranks)  # the ranks were reaped
+    return stop[0]
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, code):
     cmd = [sys.executable, "-m", "cptune", "search", "--seq-len", "512", "--heads", "2", "--head-dim", "16",
@@ -46,17 +61,7 @@ def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, co
             break
         time.sleep(0.05)
     time.sleep(0.15)
-    ranks = _children(proc.pid)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
-    err = "".join(seen) + err
-    assert proc.returncode == code, err
-    assert "Traceback" not in err and "Error" not in err, err
-    stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
-    assert len(stop) == 1 and "trial(s) stored in study" in stop[0] and "resume with: " in stop[0], err
-    time.sleep(0.5)
-    assert ranks and not any(_alive(p) for p in ranks)  # the ranks were reaped
-    name = stop[0].split("in study ")[1].split(";")[0]
+    name = _stop_cleanly(proc, sig, code, seen).split("in study ")[1].split(";")[0]
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 's.db'}")
     states = [t.state for t in study.trials]
     assert optuna.trial.TrialState.RUNNING not in states  # storage consistent: nothing left running
@@ -157,17 +162,9 @@ def test_signal_during_the_race_stops_cleanly_and_resume_races_again(tmp_path, s
     while not (tmp_path / "hold.racing").exists():
         assert time.monotonic() < deadline and proc.poll() is None, "no race round started: " + "".join(seen)
         time.sleep(0.05)
-    ranks = _children(proc.pid)
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
-    err = "".join(seen) + err
-    assert proc.returncode == code, err
-    assert "Traceback" not in err and "Error" not in err and "Aborted" not in err, err
-    stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
-    assert len(stop) == 1 and f"with {total} trial(s) stored" in stop[0] and "resume with: " in stop[0], err
-    time.sleep(0.5)
-    assert ranks and not any(_alive(p) for p in ranks)
-    name = stop[0].split("in study ")[1].split(";")[0]
+    stop = _stop_cleanly(proc, sig, code, seen)
+    assert f"with {total} trial(s) stored" in stop  # every screened config is kept
+    name = stop.split("in study ")[1].split(";")[0]
     study = optuna.load_study(study_name=name, storage=storage)
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)  # screening is whole
     assert study.user_attrs["race"] == {"running": True}  # a race cut short decides nothing
