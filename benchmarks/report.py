@@ -39,7 +39,8 @@ def analyse(entry: dict) -> dict:
     dp_key = next((k for k in oracle if "-cp1-" in k), None)
     cp_best = max((k for k in oracle if "-cp1-" not in k), key=lambda k: oracle[k]["tokens_per_s"], default=None)
     hold = _first_hold(entry["trace"], best)
-    errors = [abs(r["predicted_bytes"] - r["peak_bytes"]) / r["peak_bytes"] for r in oracle.values()]
+    errors = [abs(r["predicted_bytes"] - r["peak_bytes"]) / r["peak_bytes"] for r in oracle.values()
+              if r.get("predicted_bytes") is not None]  # none for a user's step: the model covers the proxy
     tps = {k: r["tokens_per_s"] for k, r in oracle.items()}
     return {
         "name": entry["name"], "best": best, "tuned": tuned, "default": default,
@@ -53,7 +54,7 @@ def analyse(entry: dict) -> dict:
         "trials": len(entry["trace"]), "search_seconds": entry["search_seconds"],
         "oracle_seconds": entry["oracle_seconds"], **_grid(entry),
         "startup_seconds": entry.get("startup_seconds"),
-        "mem_err_mean": sum(errors) / len(errors), "mem_err_max": max(errors),
+        "mem_err_mean": sum(errors) / len(errors) if errors else None, "mem_err_max": max(errors, default=None),
     }
 
 
@@ -96,6 +97,10 @@ def _fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def _pct(x):
+    return _fmt(x and 100 * x, ".0f", "n/a") + ("" if x is None else " %")
+
+
 def _geomean(xs):
     xs = [x for x in xs if x]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
@@ -107,7 +112,8 @@ def summary_lines(results: dict, rows: list[dict]) -> list[str]:
     over = len(rows) - len(t_o) - none  # the tuned config measured over budget in the oracle pass
     t_d = [r["tuned_over_default"] for r in rows if r["default_feasible"]]
     eff = [r["cp_efficiency"] for r in rows]
-    mem = [r["mem_err_mean"] for r in rows]
+    mem = [r["mem_err_mean"] for r in rows if r["mem_err_mean"] is not None]
+    mem_max = [r["mem_err_max"] for r in rows if r["mem_err_max"] is not None]
     ov = results["overhead"]
     held = [r for r in rows if r["hold_trials"]]
     held_text = ", ".join(f"{r['hold_trials']}/{r['trials']}" for r in held)
@@ -129,8 +135,9 @@ def summary_lines(results: dict, rows: list[dict]) -> list[str]:
         f"{_fmt(_geomean([r['hold_seconds'] / r['oracle_seconds'] for r in held]), '.2f')}; whole search "
         f"(screening and racing) / a grid measuring every config with fixed repeats at the same settings "
         f"({results.get('settings', 'the defaults')}): {_grid_text(rows)}",
-        f"- memory model: mean |predicted - measured| / measured peak per config {_fmt(100 * sum(mem) / len(mem), '.1f')} %, "
-        f"worst {_fmt(100 * max(r['mem_err_max'] for r in rows), '.1f')} %",
+        f"- memory model (the proxy workloads): mean |predicted - measured| / measured peak per config "
+        f"{_fmt(100 * sum(mem) / len(mem) if mem else None, '.1f')} %, "
+        f"worst {_fmt(100 * max(mem_max) if mem_max else None, '.1f')} %",
         *_repeat_line(results.get("repeat")),
     ]
 
@@ -162,7 +169,7 @@ def write_report(results: dict, out: Path, update_readme: bool = False) -> str:
                      f"{'' if r['dp_feasible'] else ' (dp over budget)'} | {r['hold_trials'] or 'never'}/{r['trials']} | "
                      f"{r['search_seconds']:.0f}/{r['grid_seconds']:.0f} ({_fmt(r['grid_over_oracle'], '.3f')}"
                      f"{'' if r['grid_feasible'] in (True, None) else ', over budget'}) | "
-                     f"{100 * r['mem_err_mean']:.0f} %, {100 * r['mem_err_max']:.0f} % |")
+                     f"{_pct(r['mem_err_mean'])}, {_pct(r['mem_err_max'])} |")
     lines += ["", "## Every configuration (throughput relative to the workload's oracle best)", ""]
     for e in results["workloads"]:
         best = e["oracle"][_best(e["oracle"])]["tokens_per_s"]
@@ -172,7 +179,8 @@ def write_report(results: dict, out: Path, update_readme: bool = False) -> str:
             tag = " (tuned)" if k == e["tuned"] else ""
             tag += " (PyTorch default)" if k == e["default"] else ""
             lines.append(f"| {r['label']}{tag} | {r['tokens_per_s'] / best:.3f} | {r['peak_bytes'] / 2**20:.0f} | "
-                         f"{r['predicted_bytes'] / 2**20:.0f} | {'yes' if r['feasible'] else 'no'} | "
+                         f"{_fmt(r.get('predicted_bytes') and r['predicted_bytes'] / 2**20, '.0f')} | "
+                         f"{'yes' if r['feasible'] else 'no'} | "
                          f"{100 * r['spread']:.0f} % |")
         lines.append("")
     plots = _plots(results, out)
@@ -194,7 +202,7 @@ def _plots(results: dict, out: Path) -> list[Path]:
         return []
     series: dict[str, dict[str, list]] = {}
     for e in results["workloads"]:
-        if e["workload"]["layers"] != 1 or e.get("nproc", 2) != 2:  # one series per config: same ranks, depth
+        if e["workload"]["layers"] != 1 or e.get("nproc", 2) != 2 or e["workload"].get("step"):  # same ranks, model
             continue
         kind = "causal" if e["workload"]["causal"] else "non-causal"
         for k, r in e["oracle"].items():

@@ -44,6 +44,17 @@ def test_report_ratios_and_search_cost():
     assert row["cp_efficiency"] == 100.0 / 120.0 and row["dp_feasible"] is False
     assert (row["hold_trials"], row["hold_seconds"]) == (2, 2.0)
     assert abs(row["mem_err_mean"] - 0.2 / 3) < 1e-9 and abs(row["mem_err_max"] - 0.1) < 1e-9
+    # a user's step (the memory-bound Llama workload): no prediction, so no model error, and the report says so
+    from benchmarks.report import summary_lines
+
+    for r in oracle.values():
+        r["predicted_bytes"] = None
+    user = analyse({"name": "u", "oracle": oracle, "tuned": "a", "default": "c", "trace": trace,
+                    "search_seconds": 3.0, "oracle_seconds": 6.0})
+    assert user["mem_err_mean"] is None and user["mem_err_max"] is None
+    results = {"overhead": {"seq_len": 8, "wrapped_over_bare": 1.0, "with_buffers_over_bare": 1.0}}
+    text = "\n".join(summary_lines(results, [row, user]))
+    assert "per config 6.7 %, worst 10.0 %" in text  # from the proxy workload alone
 
 
 def test_oracle_judges_by_paired_rounds_and_the_grid_is_its_first_pass():

@@ -1,0 +1,28 @@
+"""The memory-bound benchmark's step: the Llama example's model (attention and MLP), ``workload.layers`` deep.
+
+In the attention-only proxy, PyTorch's ring keeps every rank's K/V for the backward, so dp-only's
+peak was within 0-7 % of the CP configs' (the CPU peak's run-to-run spread). In a transformer the
+MLP and projections hold activations for this rank's tokens only, so a whole sequence per rank
+(dp only) needs clearly more than half of one: at S=2048, dim 512, 8 layers, 1474 MiB against
+978-1054 MiB (a probe on 2 CPU ranks). The benchmark sets the budget between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from examples.train_llama_cp import Llama, loss_fn, make_batch
+
+
+def deep_step(workload, device):
+    """``cptune search --workload benchmarks.llama:deep_step``: fn(workload, device) -> (step, buffers, seq dims)."""
+    torch.manual_seed(0)
+    model = Llama(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads,
+                  dim=workload.heads * workload.head_dim, layers=workload.layers).to(device)
+    input_ids, labels, positions = make_batch(0, workload.batch, workload.seq_len, 256, device)
+
+    def step(input_ids, labels, position_ids):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, input_ids, labels, position_ids).backward()
+
+    return step, [input_ids, labels, positions], [1, 1, 1]
