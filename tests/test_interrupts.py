@@ -92,8 +92,7 @@ def test_signal_during_a_trial_records_it_interrupted_and_resume_measures_it(tmp
     import threading
 
     import cptune
-    from cptune.search import MeasureSettings, Workload, config_key
-    from cptune.search.interrupts import SearchInterrupted
+    from cptune.search import MeasureSettings, SearchInterrupted, Workload, config_key
 
     storage = f"sqlite:///{tmp_path / 'i.db'}"
     kw = dict(nproc=2, storage=storage, memory_budget="8GiB", settings=MeasureSettings(min_seconds=0), confirm=False)

@@ -87,6 +87,11 @@ def search(
 
     ``seq_lens``: search each of these sequence lengths (one study each, on the same ranks) and
     return the list of results, in order; a training schedule's lengths in one run.
+
+    SIGINT or SIGTERM (on the driving process) stops the search at any moment: the ranks are
+    killed, the study is left consistent (a trial cut short is measured again, a race cut short
+    is run again, when the same call is repeated) and :class:`SearchInterrupted` is raised, with
+    the study's name, the trials stored and ``exit_code`` (130 or 143).
     """
     workload = workload if isinstance(workload, Workload) else Workload(**(workload or {}))
     lengths = list(seq_lens) if seq_lens else [workload.seq_len]
