@@ -258,7 +258,17 @@ def environment() -> dict[str, Any]:
 
 
 def command_line() -> str:
-    return shlex.join(["cptune", *sys.argv[1:]]) if Path(sys.argv[0]).name == "cptune" else shlex.join(sys.argv)
+    """The command that ran this process, as a user retypes it: ``cptune ...`` from the script or
+    ``python -m cptune`` (whose argv[0] is the package's ``__main__.py``); under torchrun, the
+    torchrun command is the launcher's, so the line says to rerun it."""
+    path = Path(sys.argv[0])
+    if path.name == "cptune" or (path.name == "__main__.py" and path.parent.name == "cptune"):
+        line = shlex.join(["cptune", *sys.argv[1:]])
+    else:
+        line = shlex.join(sys.argv)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return line
+    return f"the same torchrun command (torchrun ... {'-m ' if line.startswith('cptune ') else ''}{line})"
 
 
 def recipe_from_search(result: Any, script: str | None = None, args: list[str] | None = None,

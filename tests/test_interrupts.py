@@ -2,10 +2,12 @@
 
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -35,6 +37,7 @@ def _stop_cleanly(proc, sig, code, seen):
     assert "Traceback" not in err and "Error" not in err and "Aborted" not in err, err
     stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
     assert len(stop) == 1 and "trial(s) stored in study" in stop[0] and "resume with: " in stop[0], err
+    assert stop[0].split("resume with: ")[1] == shlex.join(["cptune", *proc.args[3:]])  # retypable, not __main__.py
     time.sleep(0.5)
     assert ranks and not any(_alive(p) for p in ranks)  # the ranks were reaped
     return stop[0]
@@ -205,3 +208,40 @@ def test_a_signal_held_outside_a_trial_is_never_dropped():
                     raise ValueError
             assert outer.pending == signal.SIGINT
     assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_under_torchrun_a_signal_to_the_job_leaves_the_study_consistent_and_resumable(tmp_path, sig):
+    """Ctrl-C reaches the terminal's whole process group (SIGINT), a scheduler signals every process of
+    the job (SIGTERM): torchrun, rank 0 (the driver) and rank 1. Rank 0 records the running trial as
+    interrupted and prints the one line; torchrun then stops its workers and exits in its own way
+    (exit 1, its SignalException), which cptune cannot change. The same torchrun command resumes."""
+    storage = f"sqlite:///{tmp_path / 't.db'}"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    search = ["-m", "cptune", "search", "--seq-len", "512", "--heads", "2", "--head-dim", "16", "--min-seconds", "1.5",
+              "--storage", storage]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", *search]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # the second trial is being measured
+        summaries = optuna.get_all_study_summaries(storage) if (tmp_path / "t.db").exists() else []
+        trials = optuna.load_study(study_name=summaries[0].study_name, storage=storage).trials if summaries else []
+        if len(trials) >= 2 and trials[-1].state == optuna.trial.TrialState.RUNNING:
+            break
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.05)
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
+    assert len(stop) == 1 and f"stopped by {sig.name} with " in stop[0], err
+    assert stop[0].endswith("resume with: the same torchrun command (torchrun ... " + shlex.join(search) + ")"), stop
+    name = stop[0].split("in study ")[1].split(";")[0]
+    study = optuna.load_study(study_name=name, storage=storage)
+    assert all(t.state.is_finished() for t in study.trials)  # nothing left RUNNING
+    assert [t.user_attrs.get("reason") for t in study.trials if t.state == optuna.trial.TrialState.FAIL] == \
+        ["the search stopped during this trial"]
+
+    resumed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.split("-----")[-1].count(" yes ") == 6, resumed.stdout  # every config measured
