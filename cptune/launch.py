@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -90,6 +91,11 @@ class WorkerGroup:
                  env: dict[str, str] | None = None) -> None:
         if nproc < 1:
             raise CPTuneError(f"nproc must be at least 1, got {nproc}")
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        if main is not None and not os.path.exists(main):  # e.g. `python - <<EOF`: main is '<stdin>'
+            raise CPTuneError(f"cannot start the ranks: they are spawned processes, which re-import this program's "
+                              f"main module from its file, and {main!r} is not a file. Fix: save the code to a "
+                              f".py file and run that (a notebook or python -c also works)")
         self.nproc, self.device, self.threads, self.timeout = nproc, device, threads, timeout
         self.env = dict(env or {})
         self.backend = "nccl" if device == "cuda" else "gloo"

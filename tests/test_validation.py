@@ -105,6 +105,22 @@ def test_cp1_without_process_group_is_a_pass_through():
     assert torch.equal(cptune.unshard(out, 2, context=cp), out)
 
 
+def test_a_search_from_stdin_says_why_the_ranks_cannot_start(tmp_path):
+    """`python - <<EOF`: spawned ranks cannot re-import '<stdin>'. A clear error before any rank or study,
+    not 'GroupLost: rank(s) died' after each rank's traceback."""
+    import subprocess
+    import sys
+
+    code = ("import cptune\nfrom cptune.search import Workload\n"
+            "cptune.search(Workload(seq_len=256, heads=2, head_dim=16), nproc=2, storage='sqlite:///s.db')\n")
+    run = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("cptune.errors.CPTuneError: cannot start the ranks") and "'<stdin>' is not a file" in last
+    assert "Fix: save the code to a .py file" in last and "GroupLost" not in run.stderr
+    assert not (tmp_path / "s.db").exists()  # nothing made before the error
+
+
 def test_without_process_group_asks_for_torchrun():
     with pytest.raises(cptune.ValidationError, match="launch with torchrun"):
         with cptune.context_parallel(config=cptune.CPConfig(mesh_shape=(1, 2))):
