@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -43,40 +44,55 @@ def _stop_cleanly(proc, sig, code, seen):
     return stop[0]
 
 
+SEARCH = ["-m", "cptune", "search", "--seq-len", "256", "--heads", "2", "--head-dim", "16",
+          "--workload", "tests.test_interrupts:paced_step"]
+
+
+def _held_search(tmp_path, when, launcher=None):
+    """A real `cptune search` subprocess over :func:`paced_step` (``launcher``: run under it, in a
+    session of its own). Once a progress line passes ``when(done, total)``, the test holds the next
+    step being built (a file the step waits on) until the signal comes, so the signal lands
+    mid-measurement on any machine. Returns (proc, lines seen, total, command, env)."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    cmd = [*launcher, *SEARCH] if launcher else [sys.executable, *SEARCH, "--nproc", "2"]
+    cmd += ["--storage", storage]
+    env = {**os.environ, "CPTUNE_TEST_HOLD": str(tmp_path / "hold"), "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=launcher is not None)
+    seen = []
+    while True:
+        line = proc.stderr.readline()
+        assert line, "search ended early: " + "".join(seen)
+        seen.append(line)
+        progress = re.search(r"\[[#-]+\] (\d+)/(\d+) ", line)  # the search's progress bar, not torchrun's logs
+        if progress and when(int(progress[1]), int(progress[2])):
+            total = progress[2]
+            break
+    (tmp_path / "hold").touch()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "hold.waiting").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "no step was held: " + "".join(seen)
+        time.sleep(0.05)
+    return proc, seen, int(total), cmd, env
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, code):
-    cmd = [sys.executable, "-m", "cptune", "search", "--seq-len", "512", "--heads", "2", "--head-dim", "16",
-           "--nproc", "2", "--min-seconds", "1.5", "--storage", f"sqlite:///{tmp_path / 's.db'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = []
-    while True:  # wait until the first trial is in the study, then interrupt the second one mid-measurement
-        line = proc.stderr.readline()
-        assert line, "search ended before a trial finished: " + "".join(seen)
-        seen.append(line)
-        if "1/6" in line:
-            break
-    storage = f"sqlite:///{tmp_path / 's.db'}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the second trial has started: interrupt it while it is measured
-        summaries = optuna.get_all_study_summaries(storage)
-        if summaries and any(t.state == optuna.trial.TrialState.RUNNING
-                             for t in optuna.load_study(study_name=summaries[0].study_name, storage=storage).trials):
-            break
-        time.sleep(0.05)
-    time.sleep(0.15)
+    proc, seen, total, cmd, env = _held_search(tmp_path, lambda done, total: done < total)  # a screening trial is held
     name = _stop_cleanly(proc, sig, code, seen).split("in study ")[1].split(";")[0]
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 's.db'}")
     states = [t.state for t in study.trials]
     assert optuna.trial.TrialState.RUNNING not in states  # storage consistent: nothing left running
     interrupted = [t for t in study.trials if t.user_attrs.get("reason") == "the search stopped during this trial"]
+    assert len(interrupted) == 1 and interrupted[0].state == optuna.trial.TrialState.FAIL
     before = sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
 
-    resumed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    (tmp_path / "hold").unlink()
+    resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"{6 - before} trial(s) run now" in resumed.stdout  # the interrupted one is measured again
+    assert f"{total - before} trial(s) run now" in resumed.stdout  # the interrupted one is measured again
     table = resumed.stdout.split("-----")[-1]
-    assert table.count(" yes ") == 6, resumed.stdout  # every configuration has its measurement
-    assert len(interrupted) <= 1  # mid-trial (usually) it is recorded as interrupted; between trials, none is
+    assert table.count(" yes ") == total, resumed.stdout  # every configuration has its measurement
 
 
 def slow_second_trial(workload, config, settings):
@@ -131,7 +147,7 @@ def paced_step(workload, device):
 
     hold = os.environ.get("CPTUNE_TEST_HOLD")
     if hold and os.path.exists(hold):
-        open(hold + ".racing", "a").close()
+        open(hold + ".waiting", "a").close()
         time.sleep(60)
     x = torch.zeros(workload.batch, workload.seq_len, device=device)
 
@@ -145,25 +161,8 @@ def paced_step(workload, device):
 def test_signal_during_the_race_stops_cleanly_and_resume_races_again(tmp_path, sig, code):
     """Screening done, the leaders racing: the signal still stops the search cleanly (not click's
     'Aborted!', not a killed process), and the resumed search runs the race it lost."""
-    storage = f"sqlite:///{tmp_path / 'r.db'}"
-    hold = tmp_path / "hold"
-    cmd = [sys.executable, "-m", "cptune", "search", "--seq-len", "256", "--heads", "2", "--head-dim", "16",
-           "--nproc", "2", "--workload", "tests.test_interrupts:paced_step", "--storage", storage]
-    env = {**os.environ, "CPTUNE_TEST_HOLD": str(hold), "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = []
-    while True:  # every configuration screened: the race comes next
-        line = proc.stderr.readline()
-        assert line, "search ended before screening did: " + "".join(seen)
-        seen.append(line)
-        done, total = line.split("] ")[1].split()[0].split("/") if "] " in line else ("0", "1")
-        if done == total:
-            break
-    hold.touch()
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "hold.racing").exists():
-        assert time.monotonic() < deadline and proc.poll() is None, "no race round started: " + "".join(seen)
-        time.sleep(0.05)
+    proc, seen, total, cmd, env = _held_search(tmp_path, lambda done, total: done == total)  # a race round held
+    storage = f"sqlite:///{tmp_path / 's.db'}"
     stop = _stop_cleanly(proc, sig, code, seen)
     assert f"with {total} trial(s) stored" in stop  # every screened config is kept
     name = stop.split("in study ")[1].split(";")[0]
@@ -171,7 +170,7 @@ def test_signal_during_the_race_stops_cleanly_and_resume_races_again(tmp_path, s
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)  # screening is whole
     assert study.user_attrs["race"] == {"running": True}  # a race cut short decides nothing
 
-    hold.unlink()
+    (tmp_path / "hold").unlink()
     resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "0 trial(s) run now" in resumed.stdout  # nothing measured twice ...
@@ -216,32 +215,22 @@ def test_under_torchrun_a_signal_to_the_job_leaves_the_study_consistent_and_resu
     the job (SIGTERM): torchrun, rank 0 (the driver) and rank 1. Rank 0 records the running trial as
     interrupted and prints the one line; torchrun then stops its workers and exits in its own way
     (exit 1, its SignalException), which cptune cannot change. The same torchrun command resumes."""
-    storage = f"sqlite:///{tmp_path / 't.db'}"
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    search = ["-m", "cptune", "search", "--seq-len", "512", "--heads", "2", "--head-dim", "16", "--min-seconds", "1.5",
-              "--storage", storage]
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", *search]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # the second trial is being measured
-        summaries = optuna.get_all_study_summaries(storage) if (tmp_path / "t.db").exists() else []
-        trials = optuna.load_study(study_name=summaries[0].study_name, storage=storage).trials if summaries else []
-        if len(trials) >= 2 and trials[-1].state == optuna.trial.TrialState.RUNNING:
-            break
-        assert proc.poll() is None, proc.communicate()[1]
-        time.sleep(0.05)
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
+    proc, seen, total, cmd, env = _held_search(tmp_path, lambda done, total: done < total, launcher=torchrun)
     os.killpg(proc.pid, sig)
     out, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
     stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
     assert len(stop) == 1 and f"stopped by {sig.name} with " in stop[0], err
-    assert stop[0].endswith("resume with: the same torchrun command (torchrun ... " + shlex.join(search) + ")"), stop
+    search = shlex.join(cmd[len(torchrun):])
+    assert stop[0].endswith(f"resume with: the same torchrun command (torchrun ... {search})"), stop
     name = stop[0].split("in study ")[1].split(";")[0]
-    study = optuna.load_study(study_name=name, storage=storage)
+    study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 's.db'}")
     assert all(t.state.is_finished() for t in study.trials)  # nothing left RUNNING
     assert [t.user_attrs.get("reason") for t in study.trials if t.state == optuna.trial.TrialState.FAIL] == \
         ["the search stopped during this trial"]
 
-    resumed = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    (tmp_path / "hold").unlink()
+    resumed = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert resumed.stdout.split("-----")[-1].count(" yes ") == 6, resumed.stdout  # every config measured
+    assert resumed.stdout.split("-----")[-1].count(" yes ") == total, resumed.stdout  # every config measured
