@@ -144,21 +144,19 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     from .recipe import command_line
     from .search.interrupts import Interrupts, SearchInterrupted
 
-    results = None
+    results = []
     try:  # a signal while the result is printed or the recipe written is held to the end, then stops too
         with Interrupts() if is_rank0 else contextlib.nullcontext():
-            results = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc,
-                                 device=device, memory_budget=memory_budget, memory_margin=memory_margin,
-                                 storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
-                                 trial_timeout=trial_timeout, sampler=sampler,
-                                 settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
-            if results is not None:  # None: a torchrun rank other than 0
-                _report_search(results if isinstance(results, list) else [results], as_json, out, script)
+            found = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc,
+                               device=device, memory_budget=memory_budget, memory_margin=memory_margin,
+                               storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
+                               trial_timeout=trial_timeout, sampler=sampler,
+                               settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
+            if found is not None:  # None: a torchrun rank other than 0
+                results = found if isinstance(found, list) else [found]
+                _report_search(results, as_json, out, script)
     except SearchInterrupted as exc:
-        done = results if isinstance(results, list) else [results] if results else []
-        if not exc.study_name and done:  # every study was complete: resuming prints the result at once
-            exc = SearchInterrupted(exc.signum, done[-1].study_name, len(done[-1].trials))
-        click.echo("\n" + exc.message(command_line()), err=True)
+        click.echo("\n" + exc.after(results).message(command_line()), err=True)
         sys.exit(exc.exit_code)
 
 

@@ -207,6 +207,15 @@ def test_a_signal_held_outside_a_trial_is_never_dropped():
                     raise ValueError
             assert outer.pending == signal.SIGINT
     assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
+    # held until every study was stored (the ranks closing, the result printing): named after the last study
+    from types import SimpleNamespace
+
+    done = [SimpleNamespace(study_name="a", trials=[1]), SimpleNamespace(study_name="b", trials=[1, 2])]
+    late = SearchInterrupted(signal.SIGINT).after(done)
+    assert (late.study_name, late.stored, late.exit_code) == ("b", 2, 130) and "2 trial(s) stored in study b" in \
+        late.message("cptune search")
+    named = SearchInterrupted(signal.SIGTERM, "x", 1)
+    assert named.after(done) is named and SearchInterrupted(signal.SIGINT).after([]).study_name == ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -29,6 +29,13 @@ class SearchInterrupted(BaseException):
     def exit_code(self) -> int:
         return 128 + self.signum
 
+    def after(self, results) -> SearchInterrupted:
+        """This interruption, named after the last of ``results`` (SearchResults) when it came once
+        every study was stored (closing the ranks, printing): resuming prints the result at once."""
+        if self.study_name or not results:
+            return self
+        return SearchInterrupted(self.signum, results[-1].study_name, len(results[-1].trials))
+
     def message(self, command: str) -> str:
         """The one line a user sees: what was stopped, what is kept, and the command that resumes."""
         name = signal.Signals(self.signum).name

@@ -153,9 +153,7 @@ def search(
                 if not stopped:
                     evaluator.close()
     except SearchInterrupted as exc:
-        if not exc.study_name and results:  # held while the ranks closed: every study is complete
-            raise SearchInterrupted(exc.signum, results[-1].study_name, len(results[-1].trials)) from None
-        raise
+        raise exc.after(results) from None  # held while the ranks closed: named after the last study
     return results if seq_lens else results[0]
 
 
