@@ -9,20 +9,9 @@ MLP and projections hold activations for this rank's tokens only, so a whole seq
 
 from __future__ import annotations
 
-import torch
-
-from examples.train_llama_cp import Llama, loss_fn, make_batch
+from examples.train_llama_cp import search_step
 
 
 def deep_step(workload, device):
-    """``cptune search --workload benchmarks.llama:deep_step``: fn(workload, device) -> (step, buffers, seq dims)."""
-    torch.manual_seed(0)
-    model = Llama(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads,
-                  dim=workload.heads * workload.head_dim, layers=workload.layers).to(device)
-    input_ids, labels, positions = make_batch(0, workload.batch, workload.seq_len, 256, device)
-
-    def step(input_ids, labels, position_ids):
-        model.zero_grad(set_to_none=True)
-        loss_fn(model, input_ids, labels, position_ids).backward()
-
-    return step, [input_ids, labels, positions], [1, 1, 1]
+    """``cptune search --workload benchmarks.llama:deep_step``: the example's step, ``workload.layers`` deep."""
+    return search_step(workload, device, layers=workload.layers)

@@ -143,11 +143,12 @@ def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.de
     return seq.to(device), cptune.shift_labels(seq).to(device), positions.to(device)
 
 
-def search_step(workload: cptune.Workload, device: torch.device):
-    """For ``cptune search --workload examples.train_llama_cp:search_step``: this model's step."""
+def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2):
+    """For ``cptune search --workload examples.train_llama_cp:search_step``: this model's step
+    (``layers`` deep, as this script trains it)."""
     torch.manual_seed(0)
     model = Llama(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads,
-                  dim=workload.heads * workload.head_dim).to(device)
+                  dim=workload.heads * workload.head_dim, layers=layers).to(device)
     input_ids, labels, positions = make_batch(0, workload.batch, workload.seq_len, 256, device)
 
     def step(input_ids, labels, position_ids):

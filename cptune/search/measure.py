@@ -145,9 +145,10 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, ba
     steps = [max(r["times"][i] for r in per_rank) for i in range(min(len(r["times"]) for r in per_rank))]
     step_time = statistics.median(steps)
     firsts = [r.get("first_step") for r in per_rank]
+    tokens = tokens_per_step(workload, config)
     return {
         "step_time_s": step_time,
-        "tokens_per_s": tokens_per_step(workload, config) / step_time,
+        "tokens_per_s": tokens / step_time,
         "peak_bytes": max(peaks),
         "peak_per_rank": peaks,
         "repeats": len(steps),
@@ -155,5 +156,5 @@ def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, ba
         "spread": (max(steps) - min(steps)) / step_time if steps else 0.0,
         **({"compile_s": max(0.0, max(firsts) - step_time)} if workload.compile and all(firsts) else {}),
         # the warm-up step's figure (slowest rank): a timed step slower than it was slowed by something else
-        **({"warmup_tokens_per_s": tokens_per_step(workload, config) / max(firsts)} if all(firsts) else {}),
+        **({"warmup_tokens_per_s": tokens / max(firsts)} if all(firsts) else {}),
     }
