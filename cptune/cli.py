@@ -1,5 +1,8 @@
 """The ``cptune`` command: each subcommand is a thin call into the library.
 
+In this file's order: ``search`` (and how it prints a result), ``report``, ``launch``, ``show``,
+``check``, ``index``, ``ls``, ``cp``.
+
 Any :class:`~cptune.CPTuneError` becomes a message on stderr and exit code 1; Ctrl-C, exit code 130
 (``cptune search`` stops cleanly on SIGINT or SIGTERM and says how to resume).
 """
@@ -162,7 +165,7 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
 
 def _report_search(results, as_json: bool, out: str | None, script: str | None) -> None:
     """Print a search's results (a table each, or JSON) and write the recipe(s) for ``--out``."""
-    from .recipe import recipe_from_search, save_recipe
+    from .recipe import per_length_path, recipe_from_search, save_recipe
 
     if as_json:
         data = [r.to_dict() for r in results]
@@ -174,7 +177,7 @@ def _report_search(results, as_json: bool, out: str | None, script: str | None) 
         if result.best is None:
             failed.append(result)
         elif out:
-            target = out if len(results) == 1 else _per_length(out, result.workload.seq_len)
+            target = out if len(results) == 1 else per_length_path(out, result.workload.seq_len)
             path = save_recipe(recipe_from_search(result, script=script), target)
             click.echo(f"recipe written: {path}", err=True)
     if len(results) > 1 and not as_json:
@@ -188,12 +191,6 @@ def _report_search(results, as_json: bool, out: str | None, script: str | None) 
     if failed:
         raise CPTuneError("\n".join(f"S={r.workload.seq_len}: {r.why_nothing()}" if len(results) > 1 else
                                     r.why_nothing() for r in failed))
-
-
-def _per_length(out: str, seq_len: int) -> str:
-    """runs/x.yaml -> runs/x-s8192.yaml: one recipe per length of a schedule."""
-    path = Path(out)
-    return str(path.with_name(f"{path.stem}-s{seq_len}{path.suffix or '.yaml'}"))
 
 
 def _print_result(result) -> None:

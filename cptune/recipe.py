@@ -190,6 +190,12 @@ def _yaml_text(recipe: Recipe, path: str | os.PathLike | None) -> str:
     return recipe.header(path) + body
 
 
+def per_length_path(path: str | os.PathLike, seq_len: int) -> str:
+    """runs/x.yaml -> runs/x-s8192.yaml: where a schedule's recipe for one length goes."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-s{seq_len}{p.suffix or '.yaml'}"))
+
+
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> Path:
     """Write atomically: a failure never leaves a half-written recipe behind."""
     path = Path(path)
