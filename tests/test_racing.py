@@ -1,5 +1,7 @@
 """The racing rules on their own (no ranks): paired rounds cancel a drifting machine; the tie rule."""
 
+import dataclasses
+
 import cptune
 from cptune.search import config_key
 from cptune.search import racing
@@ -119,7 +121,7 @@ def test_a_warm_up_faster_than_the_timed_step_widens_the_range_up_to_it():
     leader = TrialRecord(number=1, config=A, state="ok", tokens_per_s=11500.0, tps_low=11500.0, tps_high=11500.0,
                          measurements=1, peak_bytes=1)
     assert racing.contenders([leader, slowed]) == (leader, [slowed])
-    assert racing.contenders([leader, slowed.__class__(**{**slowed.__dict__, "warmup_tps": None})]) == (leader, [])
+    assert racing.contenders([leader, dataclasses.replace(slowed, warmup_tps=None)]) == (leader, [])
     # from 5 steps on, the median is not one disturbed step: the warm-up does not widen it
-    steady = slowed.__class__(**{**slowed.__dict__, "measurements": 5})
+    steady = dataclasses.replace(slowed, measurements=5)
     assert racing.noise_range(steady) == (8400.0, 8400.0)
