@@ -35,7 +35,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cptune.config import CPConfig
 from cptune.search.memory import current_usage, predict_peak, read_peak, reset_peak
-from cptune.search.workload import ProxyStep, Workload
+from cptune.search.steps import ProxyStep
+from cptune.workload import Workload
 
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
            "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -65,7 +66,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
     """
     import torch.distributed as dist
 
-    from cptune import _torch_cp
+    from cptune import _kernels, _ring
 
     group = group or dist.group.WORLD
     torch.manual_seed(0)
@@ -84,7 +85,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
 
     rows = []
     for name in backends:
-        problem = _torch_cp.ring_backend_problem(device.type, name, dtype)
+        problem = _kernels.ring_backend_problem(device.type, name, dtype)
         if problem:
             rows.append({"backend": name, "skipped": problem})
             print(rows[-1], flush=True)
@@ -97,7 +98,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
         single_out, single_grads = errors(*run(plain, dtype))
         for compiled in (False, True):
             def ring(q, k, v, name=name):
-                return _torch_cp.ring_attention(q, k, v, group, name, True, None, "alltoall", False)
+                return _ring.ring_attention(q, k, v, group, name, True, None, "alltoall", False)
 
             fn = torch.compile(ring, fullgraph=True) if compiled else ring
             row = {"backend": name, "compiled": compiled, "dtype": str(dtype).replace("torch.", ""), "seq_len": seq_len}

@@ -17,7 +17,8 @@ Main API:
 """
 
 from ._loss import shift_labels
-from ._torch_cp import RING_ATTENTION_OPS
+from ._version import __version__  # noqa: F401
+from ._ring import RING_ATTENTION_OPS
 from ._ulysses import ULYSSES_OPS
 from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, unshard
@@ -25,7 +26,6 @@ from .errors import CPTuneError, Problem, ValidationError
 from .recipe import Recipe, load_recipe, save_recipe
 from .search import SearchResult, Workload, search
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CPConfig",

@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.overrides import TorchFunctionMode
 
-from . import _loss, _sharding, _torch_cp, _ulysses
+from . import _hooks, _loss, _routing, _sharding, _torch_cp, _ulysses
+from ._kernels import expand_kv
+from ._ring import ring_attention
 from .config import CPConfig
 from .errors import CPTuneError, Problem, ValidationError, raise_if
+from .recipe import world_size_problems
 from .validate import BufferPlan, check_buffers, check_sdpa_call, pick_backend, transport_problems
 
-_SDPA = F.scaled_dot_product_attention
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -39,68 +37,12 @@ class CPTuneWarning(UserWarning):
 def default_backends() -> tuple[str, ...]:
     """PyTorch's SDPA priority order, as cptune backend names."""
     names = {int(v): k for k, v in _KERNELS.items()}
-    return tuple(names[i] for i in torch._C._get_sdp_priority_order() if i in names)
+    return tuple(names[i] for i in _torch_cp.sdp_priority_order() if i in names)
 
 
-_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-_CHECKPOINT_FILES = (os.path.join("torch", "utils", "checkpoint.py"),)
-
-
-class _SDPAMode(TorchFunctionMode):
-    """Catches SDPA calls that bypass the patched ``F.scaled_dot_product_attention`` and sees backward.
-
-    A from-import (``from torch.nn.functional import scaled_dot_product_attention``) binds
-    torch's function before the block patches ``F``; the mode routes such calls to the ring.
-    A mode is popped while a backward it dispatched runs, so an activation checkpoint's
-    recompute would miss it: such calls under checkpointing are refused with the fix.
-    """
-
-    def __init__(self, session: _Session) -> None:
-        super().__init__()
-        self.session = session
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _SDPA:
-            if not torch.compiler.is_compiling() and _under_checkpoint():
-                raise_if([Problem(
-                    "scaled_dot_product_attention", "was called through a reference bound before the block "
-                    "(a from-import) inside activation checkpointing, where its recompute cannot be routed "
-                    "to the ring", "call it as torch.nn.functional.scaled_dot_product_attention(...) "
-                    "(F.scaled_dot_product_attention), which cptune patches for the block")])
-            return self.session.sdpa(*args, **kwargs)
-        result = func(*args, **kwargs)
-        if func in _BACKWARDS:
-            self.session.backward_ran()
-        return result
-
-
-@contextlib.contextmanager
-def _patched_sdpa(session: _Session) -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` as the session's ring while the block runs.
-
-    torch.compile traces this function (through activation-checkpoint regions too, where it
-    does not apply torch-function modes), and eager recomputes call it from any thread.
-    """
-
-    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return session.sdpa(*args, **kwargs)
-
-    F.scaled_dot_product_attention = scaled_dot_product_attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = _SDPA
-
-
-def _under_checkpoint() -> bool:
-    """Whether torch.utils.checkpoint is running the caller (a forward it will recompute)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILES):
-            return True
-        frame = frame.f_back
-    return False
+def active() -> _Session | None:
+    """The open session (the innermost block), or None outside every block."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 class _Session:
@@ -159,9 +101,9 @@ class _Session:
                 self._stack.enter_context(
                     sdpa_kernel([_KERNELS[b] for b in self.backends], set_priority=True))
             if self.cp > 1:
-                self._stack.enter_context(_SDPAMode(self))
-                self._stack.enter_context(_patched_sdpa(self))
-                self._stack.enter_context(_torch_cp.forward_listener(self._ring_forward_ran))
+                self._stack.enter_context(_routing.SDPAMode(self))
+                self._stack.enter_context(_routing.patched_sdpa(self))
+                self._stack.enter_context(_hooks.forward_listener(self._ring_forward_ran))
         except BaseException:
             self.stop(failing=True)
             raise
@@ -209,8 +151,6 @@ class _Session:
         return []
 
     def _recipe_problems(self) -> list[Problem]:
-        from .recipe import world_size_problems  # recipe imports the search, which imports this module
-
         prov = self.recipe.provenance
         problems = world_size_problems(self.recipe, dist.get_world_size() if dist.is_initialized() else 1)
         if prov.device_type != self.device_type:
@@ -290,11 +230,11 @@ class _Session:
                 attn_mask = attn_mask.narrow(-3, (self.cp_rank % self.ulysses) * heads, heads)  # this rank's heads
         if self.ring > 1:
             backend = self._ring_backend(q.device.type, q.dtype)
-            out = _torch_cp.ring_attention(q, k, v, self.ring_group, backend, is_causal, scale,
-                                           self.config.rotate_method, self.plan.load_balance)
+            out = ring_attention(q, k, v, self.ring_group, backend, is_causal, scale, self.config.rotate_method,
+                                 self.plan.load_balance)
         else:
-            k, v = _torch_cp.expand_kv(q, k, v)  # here, after the all-to-all: the CPU flash kernel has no GQA
-            # the aten op: below torch-function modes, so _SDPAMode does not send it back here
+            k, v = expand_kv(q, k, v)  # here, after the all-to-all: the CPU flash kernel has no GQA
+            # the aten op: below torch-function modes, so SDPAMode does not send it back here
             out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, dropout_p, is_causal,
                                                                       scale=scale)
         return _ulysses.heads_to_seq(out, self.ulysses_group, self.ulysses) if self.ulysses > 1 else out
@@ -308,7 +248,7 @@ class _Session:
     def _ring_forward_ran(self) -> None:
         """Called by every ring forward (not a recompute inside backward) while the block is open."""
         self._forward_since_backward = True
-        if not self._checkpointed and _under_checkpoint():  # one stack walk until the next backward
+        if not self._checkpointed and _routing.under_checkpoint():  # one stack walk until the next backward
             self._checkpointed = True
 
     def backward_ran(self) -> None:

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _torch_cp
+from . import _hooks, _torch_cp
 
 
 def _group(name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(name)
+    return _torch_cp.resolve_group(name)
 
 
 @torch.library.custom_op("cptune::seq_to_heads", mutates_args=())
@@ -30,7 +30,7 @@ def _seq_to_heads(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor
     send = x.reshape(b, degree, h // degree, s, d).transpose(0, 1).contiguous()  # [j]: heads for rank j
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=_group(group_name))  # recv[j]: rank j's tokens of my heads
-    _torch_cp.notify_forward()
+    _hooks.notify_forward()
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // degree, degree * s, d)
 
 

@@ -3,6 +3,7 @@
 In this file's order: ``search`` (and how it prints a result), ``report``, ``launch``, ``show``,
 ``check``, ``index``, ``ls``, ``cp``.
 
+Heavy modules (torch, optuna) are imported inside the commands that use them, so `cptune --help` starts fast.
 Any :class:`~cptune.CPTuneError` becomes a message on stderr and exit code 1; Ctrl-C, exit code 130
 (``cptune search`` stops cleanly on SIGINT or SIGTERM and says how to resume).
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import click
 
-from .errors import CPTuneError
+from .errors import CPTuneError, Problem, ValidationError
+from .sizes import format_size
 
 
 class _Group(click.Group):
@@ -46,8 +48,6 @@ def _progress():
     started = time.monotonic()
 
     def show(record, done: int, total: int) -> None:
-        from .search.memory import format_size
-
         width = 20
         filled = int(width * done / max(total, 1))
         tps = f"{record.tokens_per_s:>10,.0f} tok/s" if record.tokens_per_s else " " * 16
@@ -195,7 +195,7 @@ def _report_search(results, as_json: bool, out: str | None, script: str | None) 
 
 def _print_result(result) -> None:
     click.echo(f"\nstudy {result.study_name} ({result.storage}), {result.world_size} ranks on {result.device}, "
-               f"budget per rank {_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
+               f"budget per rank {format_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
     click.echo(result.table())
     click.echo(f"({result.LEGEND})")
     best = result.best
@@ -227,12 +227,6 @@ def report(study_name, storage, out, as_json) -> None:
         click.echo(f"written: {plot(result, out)}", err=True)
 
 
-def _size(n: int) -> str:
-    from .search.memory import format_size
-
-    return format_size(n)
-
-
 class _SplitAtDashes(click.Command):
     """Keeps what follows the first ``--`` apart: the script's own arguments, never parsed here."""
 
@@ -261,7 +255,6 @@ def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> Non
     Overrides change the recipe for this run only (it is then marked unmeasured); other options
     go to torchrun; after --, a first argument ending in .py is the script, the rest its arguments.
     """
-    from .errors import Problem, ValidationError
     from .recipe import ENV_VAR, load_recipe, save_recipe
 
     after = click.get_current_context().meta.get("after_dashes", [])
@@ -319,14 +312,18 @@ def show(recipe_path, as_json) -> None:
                + (f", ulysses_degree {c.ulysses_degree}" if c.ulysses_degree else "") + ")"))
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
                f"script {recipe.launch.script or '(give one after --)'}")
-    click.echo("measured : " + (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
-                                 f"{', '.join(_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
-                                 f"{_size(m.memory_budget)}" + (f", headroom {m.headroom:.0%}" if m.headroom
-                                                                is not None else "") + ")"
-                                 if recipe.figures_apply else "no: edited after measuring, the figures are for "
-                                 "another configuration (re-run cptune search)" if recipe.edited else
-                                 f"no (not measured{': ' + m.note if m.note else ''})")
-               + (f", compile {m.compile_s:.1f}s (not in tokens/s)" if m.compile_s is not None else ""))
+    status, why = recipe.figures_status(), {
+        "edited after measuring": "no: edited after measuring, the figures are for another configuration "
+                                  "(re-run cptune search)",
+        "not verifiable (no digest)": "not verifiable: the recipe has no digest, so its figures cannot be "
+                                      "checked against what was measured (re-run cptune search)",
+        "not measured": f"no (not measured{': ' + m.note if m.note else ''})"}
+    figures = (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
+               f"{', '.join(format_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
+               f"{format_size(m.memory_budget)}" + (f", headroom {m.headroom:.0%}" if m.headroom is not None else "")
+               + ")" if status is None else why[status])
+    click.echo("measured : " + figures + (f", compile {m.compile_s:.1f}s (not in tokens/s)"
+                                          if m.compile_s is not None and status is None else ""))
     click.echo(f"from     : {p.device_count} x {p.device} ({p.backend}), torch {p.torch_version}, cptune "
                f"{p.cptune_version}, {p.date}, study {p.study_name} ({p.n_trials} trials)")
 
@@ -337,7 +334,6 @@ def show(recipe_path, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the mismatches as JSON (exit 1 if any).")
 def check(recipe_path, world_size, as_json) -> None:
     """Compare RECIPE with this environment; list every mismatch with its fix (exit 1 if any)."""
-    from .errors import ValidationError
     from .recipe import check_recipe, load_recipe
 
     problems = check_recipe(load_recipe(recipe_path), world_size)

@@ -1,4 +1,4 @@
-"""Typed configuration users touch: :class:`CPConfig` (and, for the search, :class:`Workload`).
+"""Typed configuration users touch: :class:`CPConfig`, and the one rule for causal load balancing.
 
 Every model validates at construction and reports *all* bad fields at once as a
 :class:`cptune.ValidationError` whose lines name the field and how to fix it.
@@ -6,6 +6,8 @@ Every model validates at construction and reports *all* bad fields at once as a
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import pydantic
@@ -194,13 +196,9 @@ class CPConfig(StrictModel):
         return []
 
     def load_balance_for(self, causal: bool, cp: int | None = None) -> bool:
-        """Whether causal work is load-balanced: never under Ulysses (cp > 1, no ring), where nothing needs it.
-
-        The same rule as :func:`cptune.validate.check_buffers` applies when buffers are given.
-        """
-        if cp is not None and cp > 1 and self.degrees(cp)[1] == 1:
-            return False
-        return causal if self.load_balance == "auto" else bool(self.load_balance)
+        """Whether causal work is load-balanced on ``cp`` CP ranks (:func:`decide_load_balance`, no length known)."""
+        ring = self.degrees(cp)[1] if cp is not None else 2
+        return decide_load_balance(self.load_balance, causal=causal, cp=cp or 2, ring=ring).on
 
     def label(self) -> str:
         """A short human-readable name, e.g. 'dp1·cp2 alltoall lb flash', or 'dp2·cp1 flash' without CP."""
@@ -216,6 +214,48 @@ class CPConfig(StrictModel):
             ring = f"r{cp // self.ulysses_degree}" if cp > 0 else "ring"
             return f"{head} hybrid u{self.ulysses_degree}×{ring} {self.rotate_method} {lb} {backend}"
         return f"{head} {self.rotate_method} {lb} {backend}"
+
+
+@dataclass(frozen=True)
+class LoadBalance:
+    """What :func:`decide_load_balance` decided: on or off, the problems with the setting, a note if turned off."""
+
+    on: bool
+    problems: tuple[Problem, ...] = ()
+    note: str | None = None
+
+
+def balanced_multiple(cp: int, ring: int) -> int:
+    """What a load-balanced length must divide by: head and tail halves of each ring shard, cut into cp / ring pieces."""
+    return math.lcm(2 * ring, cp)
+
+
+def decide_load_balance(setting: Literal["auto"] | bool, *, causal: bool, cp: int, ring: int,
+                        seq_len: int | None = None) -> LoadBalance:
+    """The one rule for head-tail load balancing of causal attention, for ``cp`` CP ranks of which ``ring`` form a ring.
+
+    Wanted: ``setting`` (``'auto'``: for causal attention). Never under Ulysses (cp > 1 and no
+    ring), where every rank attends over the whole sequence. With ``seq_len``, a length that does
+    not divide by :func:`balanced_multiple` turns ``'auto'`` off (with a note) and is a problem
+    for ``True``; so is ``True`` for non-causal attention. A length that does not divide by cp is
+    the caller's problem, not this rule's.
+    """
+    on = (ring > 1 or cp == 1) and (causal if setting == "auto" else bool(setting))
+    problems, note = [], None
+    if on and cp > 1 and seq_len is not None and seq_len % cp == 0 and seq_len % balanced_multiple(cp, ring):
+        balanced = balanced_multiple(cp, ring)
+        what = "2 * cp" if ring == cp else "2 * ring degree and cp"
+        if setting is True:
+            problems.append(Problem("config.load_balance", f"load balancing needs the sequence length ({seq_len}) "
+                                    f"divisible by {what} = {balanced}",
+                                    f"pad the sequence to a multiple of {balanced} or set load_balance=False"))
+        else:
+            on, note = False, (f"load balancing is off: sequence length {seq_len} is not divisible by {what} = "
+                               f"{balanced} (pad to a multiple of {balanced} to turn it on)")
+    if on and not causal and setting is True:
+        problems.append(Problem("config.load_balance", "load balancing only applies to causal attention",
+                                "set load_balance='auto' or False for non-causal attention"))
+    return LoadBalance(on, tuple(problems), note)
 
 
 ConfigLike = Union[CPConfig, dict, None]

@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._session import _ACTIVE, CPTuneWarning, _Session, default_backends
+from ._session import CPTuneWarning, _Session, active, default_backends
 from .config import SDPA_BACKENDS, ConfigLike, as_config
 from .errors import CPTuneError, Problem, ValidationError, raise_if
+from .recipe import ENV_VAR, Recipe, load_recipe
 
 
 def _recipe_for(config: ConfigLike, recipe: Any) -> Any:
     """The recipe to follow: the one given, else $CPTUNE_RECIPE when no config is given."""
-    import os
-
-    from .recipe import ENV_VAR, Recipe, load_recipe
-
     if recipe is not None and config is not None:
         raise ValidationError([Problem("recipe", "is given together with config",
                                        "pass either config= or recipe=, not both")])
@@ -61,6 +60,10 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
     ``config.mesh_shape`` over the default process group. On exit every global cptune set
     (SDPA kernel choice, torch's rotate method and load-balance flag, the SDPA hook) is back
     as it was, also when the block raises.
+
+    One block per process at a time, its attention on the block's own thread: the SDPA hook is
+    process-wide, so an SDPA call from another thread while the block is open is refused (a
+    recompute in autograd's threads during backward is the block's and runs as usual).
     """
 
     def __init__(self, buffers: Any = None, seq_dims: Any = None, *, config: ConfigLike = None,
@@ -73,9 +76,10 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         self._session: _Session | None = None
 
     def _new_session(self) -> _Session:
-        if self._session is not None and self._session in _ACTIVE:
+        current = active()
+        if current is not None and current is self._session:
             raise CPTuneError("this context_parallel is already active; it cannot be entered twice at once")
-        if any(isinstance(s, _Session) for s in _ACTIVE):
+        if current is not None:
             raise CPTuneError("a cptune.context_parallel block is already active in this process; "
                               "nest attention inside one block instead of opening another")
         self._session = _Session(self.config, self.causal, self.recipe)
@@ -200,8 +204,6 @@ def replica_rows(global_batch: int, *, config: ConfigLike = None, recipe: Any = 
         rows = cptune.replica_rows(len(batch), recipe=recipe)
         loss = train_step(input_ids[rows], labels[rows], positions[rows])
     """
-    import torch.distributed as dist
-
     found = _recipe_for(config, recipe)
     cfg = found.config if found is not None else as_config(config)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
@@ -216,9 +218,10 @@ def replica_rows(global_batch: int, *, config: ConfigLike = None, recipe: Any = 
 
 def _active(needs: str = "this needs an active cptune.context_parallel block (or decorated call); call it "
             "inside one, or use the object the with-statement returned") -> _Session:
-    if not _ACTIVE:
+    session = active()
+    if session is None:
         raise CPTuneError(needs)
-    return _ACTIVE[-1]
+    return session
 
 
 def num_items_in_batch(labels: torch.Tensor, ignore_index: int = -100, over: str = "all") -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._loss import IGNORE_INDEX
-from ._session import _ACTIVE
+from ._session import active
 from .errors import Problem, raise_if
 
 ATTN_IMPLEMENTATION = "cptune"
@@ -64,7 +64,7 @@ def _all_ranks_true(flag: bool, session: Any) -> bool:
 
 
 def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-    session = _ACTIVE[-1] if _ACTIVE else None
+    session = active()
     if session is None or session.cp == 1:
         return None
     names = [p for p in inspect.signature(module.forward).parameters]

@@ -6,7 +6,8 @@ A recipe is plain data (``yaml.safe_load``; it never executes code), versioned b
 
 from __future__ import annotations
 
-import datetime
+import hashlib
+import json
 import os
 import shlex
 import sys
@@ -15,12 +16,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pydantic
+import torch
+import torch.distributed as dist
 import yaml
 from pydantic import Field
 
+from ._env import environment
 from .config import CPConfig, StrictModel
 from .errors import CPTuneError, Problem, ValidationError, raise_if
-from .search.workload import Workload
+from .validate import backend_problem
+from .workload import Workload
 
 SCHEMA_VERSION = 1
 ENV_VAR = "CPTUNE_RECIPE"
@@ -71,7 +76,8 @@ class Metrics(StrictModel):
     equivalent: list[str] = Field(default_factory=list)
     """Configurations the search could not tell apart from this one (within measurement noise)."""
     digest: str | None = None
-    """A hash of what was measured (workload, config, ranks, provenance): an edit shows up as a mismatch."""
+    """A hash of what was measured and found (workload, config, ranks, provenance, metrics): an edit shows up
+    as a mismatch, and a recipe without one cannot be verified."""
     note: str = ""
 
 
@@ -152,9 +158,20 @@ class Recipe(StrictModel):
         return patched
 
     def measured_digest(self) -> str:
-        import hashlib
-        import json
+        """A hash of what was measured and what was found: workload, config, ranks, provenance and metrics.
 
+        Fields at their defaults are left out, so a field added to the format later does not change
+        the digests of recipes written before it. Prefixed ``v2:``; a digest without the prefix was
+        written before the metrics were covered and is checked as it was made (:meth:`_v1_digest`).
+        """
+        launch = {"nnodes": self.launch.nnodes, "nproc_per_node": self.launch.nproc_per_node}
+        what = {"workload": self.workload.model_dump(mode="json", exclude_defaults=True),
+                "config": self.config.model_dump(mode="json", exclude_defaults=True), "launch": launch,
+                "provenance": self.provenance.model_dump(mode="json", exclude_defaults=True),
+                "metrics": self.metrics.model_dump(mode="json", exclude_defaults=True, exclude={"digest"})}
+        return "v2:" + hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _v1_digest(self) -> str:
         launch = {"nnodes": self.launch.nnodes, "nproc_per_node": self.launch.nproc_per_node}
         config = self.config.model_dump(mode="json")
         if config["strategy"] == "ring" and config["ulysses_degree"] is None:  # recipes from before strategies
@@ -164,14 +181,31 @@ class Recipe(StrictModel):
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
+    def verifiable(self) -> bool:
+        """Whether the recipe carries a digest to check its figures against (search writes one)."""
+        return self.metrics.digest is not None
+
+    @property
     def edited(self) -> bool:
-        """Measured, but what was measured has been changed since (by hand): its figures do not apply."""
-        return self.metrics.measured and self.metrics.digest is not None and \
-            self.metrics.digest != self.measured_digest()
+        """Measured, but what was measured or found has been changed since (by hand): its figures do not apply."""
+        digest = self.metrics.digest
+        if not self.metrics.measured or digest is None:
+            return False
+        return digest != (self.measured_digest() if digest.startswith("v2:") else self._v1_digest())
 
     @property
     def figures_apply(self) -> bool:
-        return self.metrics.measured and not self.edited
+        """Measured, with a digest that matches: the figures are what the search found for this content."""
+        return self.metrics.measured and self.verifiable and not self.edited
+
+    def figures_status(self) -> str | None:
+        """Why the figures do not apply, in a few words ('edited after measuring', 'not verifiable (no
+        digest)', 'not measured'), or None when they do."""
+        if self.figures_apply:
+            return None
+        if self.edited:
+            return "edited after measuring"
+        return "not verifiable (no digest)" if self.metrics.measured else "not measured"
 
     def header(self, path: str | os.PathLike | None = None) -> str:
         where = path or "RECIPE.yaml"
@@ -245,24 +279,6 @@ def load_recipe(path: str | os.PathLike | None = None) -> Recipe:
             from None
 
 
-def environment() -> dict[str, Any]:
-    """What this process sees: used for provenance and by ``cptune check``."""
-    import torch
-
-    from . import __version__
-
-    cuda = torch.cuda.is_available()
-    return {
-        "cptune_version": __version__,
-        "torch_version": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "device_type": "cuda" if cuda else "cpu",
-        "device_count": torch.cuda.device_count() if cuda else (os.cpu_count() or 1),
-        "backend": "nccl" if cuda else "gloo",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 def command_line() -> str:
     """The command that ran this process, as a user retypes it: ``cptune ...`` from the script or
     ``python -m cptune`` (whose argv[0] is the package's ``__main__.py``); under torchrun, the
@@ -283,11 +299,7 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
     best = result.best
     if best is None:
         raise CPTuneError("the search found no feasible configuration; nothing to write")
-    env = environment()
-    env.update(device_type=result.device, backend="nccl" if result.device == "cuda" else "gloo",
-               device_count=result.world_size)
-    if result.device == "cpu":
-        env["device"] = "cpu"
+    env = environment(result.device, result.world_size, result.nproc_per_node).provenance()
     recipe = Recipe(
         workload=result.workload,
         config=best.config,
@@ -319,12 +331,7 @@ def world_size_problems(recipe: Recipe, world_size: int, argument: str = "recipe
 
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:
     """Differences between ``recipe`` and this environment that matter, each with a fix."""
-    import torch
-    import torch.distributed as dist
-
-    from .validate import backend_problem
-
-    env, prov, problems = environment(), recipe.provenance, []
+    env, prov, problems = environment().provenance(), recipe.provenance, []
     rerun = "re-run cptune search here and use its recipe"
     if env["torch_version"].split("+")[0].rsplit(".", 1)[0] != prov.torch_version.split("+")[0].rsplit(".", 1)[0]:
         problems.append(Problem("provenance.torch_version", f"measured with torch {prov.torch_version}, this is "
@@ -344,7 +351,11 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
         problems.append(Problem("provenance.backend", "gloo is not available in this torch", "install torch with gloo"))
     if recipe.edited:
         problems.append(Problem("metrics", "the recipe was edited after it was measured (its workload, config, "
-                                "ranks or provenance differ from what the figures are for)",
+                                "ranks, provenance or figures differ from what the search wrote)",
+                                "re-run cptune search for this configuration, or set metrics.measured: false"))
+    elif recipe.metrics.measured and not recipe.verifiable:
+        problems.append(Problem("metrics.digest", "is missing, so the figures cannot be verified (cptune search "
+                                "writes one; it was deleted, or the recipe was written by hand)",
                                 "re-run cptune search for this configuration, or set metrics.measured: false"))
     if world_size is not None:
         problems += world_size_problems(recipe, world_size, "--world-size")

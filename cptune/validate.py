@@ -6,7 +6,6 @@ one :class:`~cptune.errors.ValidationError` before anything is sharded or commun
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import _torch_cp
+from ._kernels import ring_backend_problem
+from .config import balanced_multiple, decide_load_balance
 from .errors import Problem
 
 
@@ -138,26 +138,16 @@ def check_buffers(
         return plan, problems
     if lengths:
         plan.seq_len = seq_len = next(iter(lengths.values()))
-        plan.load_balance = (ring > 1 or cp == 1) and (causal if load_balance == "auto" else bool(load_balance))
-        balanced = math.lcm(2 * ring, cp)  # head and tail halves of each ring shard, cut into cp / ring pieces
-        what = "2 * cp" if ring == cp else "2 * ring degree and cp"
+        wanted = decide_load_balance(load_balance, causal=causal, cp=cp, ring=ring)
         if seq_len % cp:
+            multiple = balanced_multiple(cp, ring) if wanted.on else cp
             problems.append(Problem("buffers", f"sequence length {seq_len} is not divisible by the CP degree {cp}",
-                                    f"pad the sequence to a multiple of {cp if not plan.load_balance else balanced} "
-                                    "or choose a CP degree that divides it"))
-        elif plan.load_balance and seq_len % balanced:
-            if load_balance is True:
-                problems.append(Problem("config.load_balance",
-                                        f"load balancing needs the sequence length ({seq_len}) divisible by "
-                                        f"{what} = {balanced}",
-                                        f"pad the sequence to a multiple of {balanced} or set load_balance=False"))
-            else:
-                plan.load_balance = False
-                plan.notes.append(f"load balancing is off: sequence length {seq_len} is not divisible by "
-                                  f"{what} = {balanced} (pad to a multiple of {balanced} to turn it on)")
-        if plan.load_balance and not causal and load_balance is True:
-            problems.append(Problem("config.load_balance", "load balancing only applies to causal attention",
-                                    "set load_balance='auto' or False for non-causal attention"))
+                                    f"pad the sequence to a multiple of {multiple} or choose a CP degree that "
+                                    "divides it"))
+        decided = decide_load_balance(load_balance, causal=causal, cp=cp, ring=ring, seq_len=seq_len)
+        plan.load_balance = decided.on
+        problems += decided.problems
+        plan.notes += [decided.note] if decided.note else []
     if cp > 1:
         plan.notes += unshifted_label_notes(plan)
     return plan, problems
@@ -179,11 +169,11 @@ def unshifted_label_notes(plan: BufferPlan) -> list[str]:
 def backend_problem(device_type: str, backend: str, dtype: torch.dtype | None, ring: bool) -> str | None:
     """Why ``backend`` can't serve SDPA here (``ring``: under CP), or None."""
     if ring:
-        return _torch_cp.ring_backend_problem(device_type, backend, dtype or torch.float32)
+        return ring_backend_problem(device_type, backend, dtype or torch.float32)
     if device_type == "cpu" and backend in ("efficient", "cudnn"):
         return f"there is no '{backend}' kernel on cpu"
     if device_type == "cuda" and dtype is not None:
-        return _torch_cp.ring_backend_problem(device_type, backend, dtype) if backend != "math" else None
+        return ring_backend_problem(device_type, backend, dtype) if backend != "math" else None
     return None
 
 

@@ -84,16 +84,21 @@ def test_ls_cp_and_shipped_recipes(tmp_path, monkeypatch):
     assert [r["name"] for r in local] == ["cpu-2r-s4096-causal"]
 
 
-def test_a_recipe_edited_after_measuring_is_shown_unmeasured(tmp_path):
+def _measured_recipe(tmp_path):
     workload = cptune.Workload(seq_len=256)
-    from cptune.search.result import SearchResult, TrialRecord
+    from cptune.search.records import TrialRecord
+    from cptune.search.result import SearchResult
 
     best = TrialRecord(number=0, config=cptune.CPConfig(mesh_shape=(1, 2), sdpa_backend="flash"), state="ok",
                        tokens_per_s=1000.0, step_time_s=0.1, peak_bytes=2**20, peak_per_rank=[2**20, 2**20],
                        feasible=True)
     result = SearchResult(study_name="s", storage=None, workload=workload, world_size=2, device="cpu",
                           nproc_per_node=2, memory_budget=2**30, trials=[best])
-    path = save_recipe(cptune.recipe.recipe_from_search(result), tmp_path / "m.yaml")
+    return save_recipe(cptune.recipe.recipe_from_search(result), tmp_path / "m.yaml")
+
+
+def test_a_recipe_edited_after_measuring_is_shown_unmeasured(tmp_path):
+    path = _measured_recipe(tmp_path)
     assert load_recipe(path).figures_apply and "1,000 tokens/s" in cli("show", path).output
     path.write_text(path.read_text().replace("mesh_shape: [1, 2]", "mesh_shape: [2, 1]"))
     edited = load_recipe(path)
@@ -102,6 +107,30 @@ def test_a_recipe_edited_after_measuring_is_shown_unmeasured(tmp_path):
     report = CliRunner().invoke(main, ["check", "--json", str(path)])
     data = json.loads(report.output)
     assert report.exit_code == 1 and not data["ok"] and data["problems"][0]["argument"] == "metrics"
+
+
+def test_an_edited_figure_or_a_deleted_digest_is_never_read_as_measured(tmp_path):
+    path = _measured_recipe(tmp_path)
+    text = path.read_text()
+    path.write_text(text.replace("tokens_per_s: 1000.0", "tokens_per_s: 5000.0"))  # a better-looking figure
+    edited = load_recipe(path)
+    assert edited.edited and not edited.figures_apply and "5,000" not in cli("show", path).output
+    path.write_text("\n".join(line for line in text.splitlines() if "digest:" not in line) + "\n")
+    bare = load_recipe(path)
+    assert not bare.edited and not bare.verifiable and not bare.figures_apply
+    assert "not verifiable" in cli("show", path).output and "1,000 tokens/s" not in cli("show", path).output
+    assert [r["figures"] for r in json.loads(cli("ls", "--json", tmp_path).output) if r["where"] == "local"] == \
+        ["not verifiable (no digest)"]
+    report = CliRunner().invoke(main, ["check", "--json", str(path)])
+    assert report.exit_code == 1 and json.loads(report.output)["problems"][0]["argument"] == "metrics.digest"
+
+
+def test_a_digest_written_before_metrics_were_covered_still_verifies(tmp_path):
+    recipe = load_recipe(_measured_recipe(tmp_path))
+    old = recipe.model_copy(update={"metrics": recipe.metrics.model_copy(update={"digest": recipe._v1_digest()})})
+    assert old.figures_apply
+    moved = old.model_copy(update={"config": old.config.model_copy(update={"rotate_method": "alltoall"})})
+    assert moved.edited
 
 
 def test_index_guards_hand_written_readmes_and_missing_folders(tmp_path):

@@ -5,7 +5,7 @@ import dataclasses
 import cptune
 from cptune.search import config_key
 from cptune.search import racing
-from cptune.search.result import TrialRecord
+from cptune.search.records import TrialRecord
 
 A = cptune.CPConfig(mesh_shape=(1, 2), rotate_method="alltoall", load_balance=True, sdpa_backend="flash")
 B = cptune.CPConfig(mesh_shape=(1, 2), rotate_method="allgather", load_balance=True, sdpa_backend="flash")
@@ -65,7 +65,7 @@ def test_tie_rule_memory_within_5_percent_is_equal_then_default_then_more_dp():
 
 def test_screening_runs_two_steps_at_least_so_the_peak_is_a_steady_one():
     from cptune.search import MeasureSettings
-    from cptune.search.workload import Workload
+    from cptune.workload import Workload
 
     def steps(settings):
         return settings.warmup + settings.min_repeats

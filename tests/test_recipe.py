@@ -12,15 +12,15 @@ from click.testing import CliRunner
 import cptune
 from cptune.cli import main
 from cptune.catalog import index_text
-from cptune.recipe import Launch, Metrics, Provenance, Recipe, environment, load_recipe, save_recipe
+from cptune._env import environment
+from cptune.recipe import Launch, Metrics, Provenance, Recipe, load_recipe, save_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_recipe(nproc=2, cp=2, script=None, measured=False, device_type="cpu", load_balance=True):
-    env = environment()
-    env.update(device="cpu", device_type=device_type, backend="gloo" if device_type == "cpu" else "nccl",
-               device_count=nproc)
+    env = environment("cpu", nproc).provenance()
+    env.update(device_type=device_type, backend="gloo" if device_type == "cpu" else "nccl")
     return Recipe(
         workload=cptune.Workload(seq_len=256),
         config=cptune.CPConfig(mesh_shape=(nproc // cp, cp), rotate_method="alltoall", sdpa_backend="flash",

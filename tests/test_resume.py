@@ -7,7 +7,8 @@ from click.testing import CliRunner
 import cptune
 from cptune.cli import main
 from cptune.search import MeasureSettings, Workload, config_key
-from cptune.search.driver import default_study_name, environment
+from cptune._env import environment
+from cptune.search.study import default_study_name
 from tests.test_search import STEP_TIMES, fake_measure, study_env  # noqa: F401 - fixture
 
 FAST = MeasureSettings(warmup=0, min_repeats=1, min_seconds=0)
@@ -66,7 +67,7 @@ def test_another_layer_count_is_another_study(tmp_path):
 
 def test_study_names_cover_settings_and_environment():
     w = Workload(seq_len=1024)
-    env = environment("cpu", 2, 2)
+    env = environment("cpu", 2, 2).study()
     base = default_study_name(w, 2, "cpu", MeasureSettings(), env)
     assert default_study_name(w, 2, "cpu", MeasureSettings(), env) == base
     assert default_study_name(w, 2, "cpu", MeasureSettings(min_seconds=3), env) != base

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import cptune
 from cptune.search import MeasureSettings, Workload, all_configs, config_key, pytorch_default
-from cptune.search.memory import format_size, parse_size, predict_peak
+from cptune.search.memory import predict_peak
+from cptune.sizes import format_size, parse_size
 from cptune.search.space import invalid_reason, mesh_shapes
 
 GiB = 2**30
@@ -36,7 +37,7 @@ def test_invalid_configs_say_why():
     lb4 = cptune.CPConfig(mesh_shape=(1, 4), load_balance=True, sdpa_backend="flash")
     assert "not divisible by cp=4" in invalid_reason(w, lb4, "cpu")
     lb2 = cptune.CPConfig(mesh_shape=(1, 2), load_balance=True, sdpa_backend="flash")
-    assert "divisible by 2*cp=4" in invalid_reason(w, lb2, "cpu")
+    assert "divisible by 2 * cp = 4" in invalid_reason(w, lb2, "cpu")
     uly = cptune.CPConfig(mesh_shape=(1, 4), strategy="ulysses", sdpa_backend="flash")
     assert "6 heads do not divide among 4 Ulysses ranks" in invalid_reason(Workload(seq_len=8, heads=6), uly, "cpu")
     hyb = cptune.CPConfig(mesh_shape=(2, 2), strategy="hybrid", ulysses_degree=2, sdpa_backend="flash")
@@ -149,7 +150,7 @@ def test_invalid_configs_are_never_run(study_env):
     assert {r.measurements for r in result.trials if r.state == "ok"} == {3} and not result.tie
     reasons = sorted(r.reason for r in result.trials if r.state == "invalid")
     assert len(reasons) == 3 and "3 heads do not divide among 2 Ulysses ranks" in reasons[0]
-    assert all("2*cp=4" in r for r in reasons[1:])
+    assert all("2 * cp = 4" in r for r in reasons[1:])
 
 
 def test_predicted_far_over_budget_is_not_run(study_env):

@@ -1,5 +1,6 @@
 """Bad input gets a cptune.ValidationError naming the argument and the fix, before any collective."""
 
+import threading
 import warnings
 
 import pytest
@@ -191,6 +192,21 @@ def _run(kind):
         mesh = init_device_mesh("cpu", (2,))
         with cptune.context_parallel(buffers=[torch.zeros(1, 2, 16, 8, device="meta")], seq_dims=[2], mesh=mesh):
             pass
+    elif kind == "other_thread":  # SDPA is patched process-wide: another thread's call is refused, not routed
+        caught = []
+
+        def attend():
+            try:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            except BaseException as exc:  # noqa: BLE001 - handed to the block's thread
+                caught.append(exc)
+
+        with cptune.context_parallel(buffers=[q, k, v], seq_dims=[2, 2, 2]):
+            worker = threading.Thread(target=attend, name="loader")
+            worker.start()
+            worker.join()
+        if caught:
+            raise caught[0]
     elif kind == "mesh_without_cp_dim":
         mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
         with cptune.context_parallel(buffers=[q], seq_dims=[2], mesh=mesh):
@@ -214,6 +230,7 @@ BAD_INPUTS = {
     "mesh_shape_vs_world": ("config.mesh_shape", "dp * cp == 2"),
     "device_vs_mesh": ("buffers[0]", "move it with .to('cpu')"),
     "mesh_without_cp_dim": ("mesh", "name the context-parallel dim 'cp'"),
+    "other_thread": ("scaled_dot_product_attention", "run this attention on the block's thread"),
 }
 
 

@@ -1,12 +1,13 @@
 """The auto-tuner: an Optuna search over context-parallel configurations, measured on real ranks."""
 
-from .driver import DEFAULT_STORAGE, get_storage
+from ..workload import Workload
+from .study import DEFAULT_STORAGE, get_storage
 from .interrupts import SearchInterrupted
+from .records import TrialRecord
+from .result import SearchResult
 from .run import search
-from .measure import MeasureSettings
-from .result import SearchResult, TrialRecord
+from .settings import MeasureSettings, SearchSettings
 from .space import all_configs, config_key, pytorch_default
-from .workload import Workload
 
-__all__ = ["DEFAULT_STORAGE", "MeasureSettings", "SearchInterrupted", "SearchResult", "TrialRecord", "Workload",
-           "all_configs", "config_key", "get_storage", "pytorch_default", "search"]
+__all__ = ["DEFAULT_STORAGE", "MeasureSettings", "SearchInterrupted", "SearchResult", "SearchSettings",
+           "TrialRecord", "Workload", "all_configs", "config_key", "get_storage", "pytorch_default", "search"]

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from ..config import CPConfig
 from ..errors import CPTuneError
 from ..launch import GroupLost, RankFailure, WorkerGroup
-from .measure import MeasureSettings, baseline_on_rank, measure_on_rank
-from .workload import Workload
+from .measure import baseline_on_rank, measure_on_rank
+from .settings import MeasureSettings
+from ..workload import Workload
 
 MeasureFn = Callable[[Workload, CPConfig, MeasureSettings], dict]
 

@@ -10,37 +10,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
 
-from ..config import CPConfig, StrictModel
+from ..config import CPConfig
 from ..context import context_parallel
+from ..workload import Workload
 from .memory import current_usage, read_peak, reset_peak
-from .workload import ProxyStep, Workload, build_user_step
-
-
-class MeasureSettings(StrictModel):
-    """How long each trial is timed. Every rank takes the same decisions (max elapsed time)."""
-
-    warmup: int = Field(1, ge=0, json_schema_extra={"fix": "use a warm-up count >= 0"})
-    min_repeats: int = Field(3, ge=1, json_schema_extra={"fix": "use at least 1 repeat"})
-    max_repeats: int = Field(20, ge=1, json_schema_extra={"fix": "use max_repeats >= min_repeats"})
-    min_seconds: float = Field(1.0, ge=0, json_schema_extra={"fix": "use a non-negative time"})
-
-
-def device_name(device_type: str) -> str:
-    """The GPU's name, or the CPU model: what a study's figures were measured on."""
-    if device_type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(torch.cuda.current_device())
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
+from .settings import MeasureSettings
+from .steps import ProxyStep, build_user_step
 
 
 def rank_device() -> torch.device:

@@ -23,9 +23,9 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from ..config import CPConfig
-from .measure import MeasureSettings
-from .result import TrialRecord
-from .workload import Workload
+from ..workload import Workload
+from .records import TrialRecord
+from .settings import MeasureSettings
 
 SCREEN_SHARE = 0.25
 """Screening and each race round time a configuration for this share of ``min_seconds`` and of ``max_repeats``."""
@@ -44,8 +44,8 @@ ends (so, or after RACE_ROUNDS), survivors more than this share below the best a
 those within it are equivalent, and the tie rule chooses among them."""
 MEMORY_TIE = 0.05
 """Peaks within this share of the lowest count as equal for the tie rule (a peak varies a little run to run)."""
-TIE_RULE = ("lower peak memory (within 5 % counts as equal), then PyTorch's default, then more data "
-            "parallelism (less communication), then the label")
+TIE_RULE = (f"lower peak memory (within {MEMORY_TIE:.0%} counts as equal), then PyTorch's default, then more "
+            "data parallelism (less communication), then the label")
 EXTRA_ATTR = "extra_step_times"  # study attribute: config key -> step times measured while racing
 RACE_ATTR = "race"  # study attribute: the last race, as :func:`race` returns it (None: none holds)
 RACING = {"running": True}

@@ -8,8 +8,8 @@ from pathlib import Path
 import optuna
 
 from ..errors import Problem, ValidationError
-from .driver import get_storage, result_from_study
-from .memory import format_size
+from .study import get_storage, result_from_study
+from ..sizes import format_size
 from .result import SearchResult
 
 

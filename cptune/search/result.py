@@ -2,86 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-import optuna
-
-from ..config import CPConfig
-from .memory import PRUNE_FACTOR, format_size
-from .workload import Workload
-
-
-@dataclass
-class TrialRecord:
-    number: int
-    config: CPConfig
-    state: str  # "ok", "infeasible", "invalid", "failed"
-    tokens_per_s: float | None = None
-    step_time_s: float | None = None
-    peak_bytes: int | None = None
-    predicted_bytes: int | None = None
-    peak_per_rank: list[int] | None = None
-    feasible: bool | None = None
-    reason: str = ""
-    measurements: int = 1  # tokens_per_s is the median of this many measurements
-    compile_s: float | None = None  # torch.compile time of the first step, kept out of tokens_per_s
-    headroom: float | None = None  # (budget - worst peak) / budget, for the current budget
-    step_times: list[float] | None = None  # the slowest rank's time per timed step
-    tps_low: float | None = None  # tokens/s interquartile range over the steps
-    tps_high: float | None = None
-    warmup_tps: float | None = None  # tokens/s of the warm-up step (with torch.compile: compiling included)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["config"] = self.config.model_dump(mode="json")
-        d["label"] = self.config.label()
-        return d
-
-
-INTERRUPTED = "the search stopped during this trial"
-
-
-def over_budget_reason(peak: int, budget: int, margin: float) -> str:
-    with_margin = f" + {margin:.0%} margin" if margin else ""
-    return f"measured peak {format_size(peak)}{with_margin} > budget {format_size(budget)}"
-
-
-def pruned_reason(predicted: int, budget: int) -> str:
-    return f"predicted peak {format_size(predicted)} > {PRUNE_FACTOR} x budget {format_size(budget)}; not run"
-
-
-def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: float = 0.0) -> TrialRecord:
-    """A finished trial, judged against ``budget`` (the current run's; None: as stored when it ran).
-
-    A measured trial is feasible when its worst peak over ranks and repeats, plus ``margin``,
-    fits the budget; one ruled out by its predicted peak says so against today's budget.
-    """
-    a = t.user_attrs
-    reason = a.get("reason", "")
-    feasible = a.get("feasible")
-    peak = a.get("peak_bytes")
-    if t.state == optuna.trial.TrialState.COMPLETE and budget is not None and peak is not None:
-        feasible = peak * (1 + margin) <= budget
-        reason = "" if feasible else over_budget_reason(peak, budget, margin)
-    if t.state == optuna.trial.TrialState.COMPLETE:
-        state = "ok" if feasible else "infeasible"
-    elif reason.startswith("invalid"):
-        state = "invalid"
-    elif t.state == optuna.trial.TrialState.PRUNED:
-        state = "infeasible"
-        if budget is not None and a.get("predicted_bytes") is not None:
-            reason = pruned_reason(a["predicted_bytes"], budget)
-    else:
-        state = "failed"
-        reason = reason or f"trial ended {t.state.name.lower()} without a reason (driver stopped?)"
-    headroom = (budget - peak) / budget if budget and peak is not None else None
-    return TrialRecord(number=t.number, config=CPConfig(**a["config"]), state=state,
-                       tokens_per_s=t.value if t.state == optuna.trial.TrialState.COMPLETE else None,
-                       step_time_s=a.get("step_time_s"), peak_bytes=peak,
-                       predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"),
-                       feasible=feasible, reason=reason, compile_s=a.get("compile_s"), headroom=headroom,
-                       step_times=a.get("step_times"), warmup_tps=a.get("warmup_tokens_per_s"))
+from ..sizes import format_size
+from ..workload import Workload
+from .racing import INDIFFERENCE, TIE_RULE, summary
+from .records import TrialRecord
+from .space import config_key
 
 
 @dataclass
@@ -158,24 +86,19 @@ class SearchResult:
     LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; allgather/alltoall: the ring's rotate "
               "method; ulysses: all-to-all over heads; hybrid uK×rN: Ulysses groups of K ranks, a ring of N; lb: "
               "causal load balancing; flash on CPU: cptune's CPU ring kernel; tokens/s: the whole world, median "
-              "over n timed steps; IQR: its interquartile range; *: equivalent to the best (within 5% after paired "
-              "race rounds); peak: the worst rank; headroom: budget left; predicted: the "
-              "memory model (-: not modelled)")
+              "over n timed steps; IQR: its interquartile range; *: equivalent to the best (within "
+              f"{INDIFFERENCE:.0%} after paired race rounds); peak: the worst rank; headroom: budget left; "
+              "predicted: the memory model (-: not modelled)")
 
     def tie_note(self) -> str | None:
         if not self.tie:
             return None
-        from .racing import TIE_RULE
-
         return (f"{len(self.tie)} configurations are within measurement noise of each other "
                 f"({', '.join(r.config.label() for r in self.tie)}); chosen by {TIE_RULE}")
 
     def race_note(self) -> str | None:
         if not self.race:
             return None
-        from .racing import summary
-        from .space import config_key
-
         labels = {config_key(r.config): r.config.label() for r in self.trials}
         return summary(self.race, lambda k: labels.get(k, k))
 

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from typing import Any
 
 import optuna
+import torch
 import torch.distributed as dist
 
 from ..errors import Problem, ValidationError, raise_if
-from .driver import Progress, _run_search
+from ..sizes import parse_size
+from ..workload import Workload
+from .driver import Progress, run_study
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator
 from .interrupts import Interrupts, SearchInterrupted
-from .measure import MeasureSettings, measure_on_rank
-from .memory import default_budget, parse_size
+from .measure import measure_on_rank
+from .memory import default_budget
 from .result import SearchResult
-from .workload import Workload
+from .settings import MeasureSettings, SearchSettings
+from .steps import load_user_step
 
 DEFAULT_MARGIN = 0.05
 """A config is feasible when its worst measured peak plus this share fits the budget."""
@@ -39,10 +43,6 @@ def _option_problems(n_trials, timeout, trial_timeout, margin, nproc) -> list[Pr
 
 def _check_user_step(workload: Workload) -> None:
     """Import --workload once, here, before any rank starts, and check it takes (workload, device)."""
-    import inspect
-
-    from .workload import load_user_step
-
     fn = load_user_step(workload.step)
     try:
         inspect.signature(fn).bind(workload, "cpu")
@@ -113,23 +113,16 @@ def search(
         if device not in ("cpu", "cuda"):
             problems.append(Problem("--device", f"unknown device {device!r}", "use cpu or cuda"))
         elif device == "cuda":
-            import torch
-
             if not torch.cuda.is_available():
                 problems.append(Problem("--device", "is cuda but this machine has no usable CUDA GPU",
                                         "use --device cpu, or run on a GPU machine with a CUDA build of torch"))
     raise_if(problems)
     if workload.step:
         _check_user_step(workload)
-    kwargs: dict[str, Any] = dict(storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
-                                  sampler=sampler, seed=seed, settings=settings, progress=progress, confirm=confirm,
-                                  margin=memory_margin)
     if dist.is_initialized() and dist.get_rank() != 0:
         SPMDEvaluator(trial_timeout, measure).follow()  # serve rank 0's trials; torchrun stops this rank
         return None
     if nproc is None and not dist.is_initialized():
-        import torch
-
         nproc = torch.cuda.device_count() if device == "cuda" else 2
     results: list[SearchResult] = []
     interrupts = Interrupts()  # the driver's window: starting the ranks, every length, closing them
@@ -141,10 +134,13 @@ def search(
             try:
                 budget = parse_size(memory_budget) if memory_budget is not None else \
                     default_budget(evaluator.device_type, evaluator.nproc_per_node)
+                plan = SearchSettings(budget=budget, margin=memory_margin, measure=settings, n_trials=n_trials,
+                                      timeout=timeout, trial_timeout=trial_timeout, sampler=sampler, seed=seed,
+                                      confirm=confirm)
                 for w in workloads:
                     name = study_name if study_name is None or len(workloads) == 1 else f"{study_name}-S{w.seq_len}"
-                    results.append(_run_search(evaluator, w, budget=budget, interrupts=interrupts,
-                                               **{**kwargs, "study_name": name}))
+                    results.append(run_study(evaluator, w, plan, storage=storage, study_name=name, progress=progress,
+                                             interrupts=interrupts))
             except SearchInterrupted:
                 stopped = True
                 evaluator.abort()  # the ranks may be mid-trial: stop them now, leave no process behind

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CPConfig
+from ..config import CPConfig, decide_load_balance
 from ..validate import backend_problem
-from .workload import Workload
+from ..workload import Workload
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -100,11 +100,9 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str) -> st
     ulysses, ring = config.degrees(cp)
     if s % cp:
         return f"sequence length {s} is not divisible by cp={cp}"
-    if ring > 1 and config.load_balance is True and s % math.lcm(2 * ring, cp):
-        what = "2*cp" if ring == cp else "2*ring and cp"
-        return f"load balancing needs the sequence length {s} divisible by {what}={math.lcm(2 * ring, cp)}"
-    if config.load_balance is True and not workload.causal:
-        return "load balancing applies only to causal attention"
+    balance = decide_load_balance(config.load_balance, causal=workload.causal, cp=cp, ring=ring, seq_len=s)
+    if balance.problems:
+        return balance.problems[0].message
     if ulysses > 1 and workload.heads % ulysses:
         return f"{workload.heads} heads do not divide among {ulysses} Ulysses ranks"
     why = backend_problem(device_type, config.sdpa_backend[0], workload.torch_dtype, ring=ring > 1)
@@ -128,6 +126,7 @@ def all_configs(workload: Workload, world_size: int, device_type: str) -> list[C
 def pytorch_default(workload: Workload, world_size: int, device_type: str) -> CPConfig:
     """What PyTorch does untuned: allgather, load balancing on (when possible), its backend order, cp = world."""
     backend = usable_backends(device_type, workload.torch_dtype)[:1] or ["flash"]
-    lb = workload.causal and workload.seq_len % (2 * world_size) == 0
+    lb = decide_load_balance("auto", causal=workload.causal, cp=world_size, ring=world_size,
+                             seq_len=workload.seq_len).on
     return CPConfig(mesh_shape=(1, world_size), rotate_method="allgather", sdpa_backend=tuple(backend),
                     load_balance=lb)

@@ -1,0 +1,104 @@
+"""How SDPA calls inside a block reach the session: the patched ``F.scaled_dot_product_attention``,
+a torch-function mode for references bound before the block, and the rule on threads.
+
+What holds: one block per process at a time (a second is refused when it opens), and attention
+inside it runs on the block's own thread. ``F.scaled_dot_product_attention`` is patched for the
+whole process while the block is open, so a call from another thread (a data-loader worker, a
+second model served beside training) would be routed to this block's ring: it is refused with
+the fix instead. Autograd's own threads are fine: a backward pass that recomputes an activation
+checkpoint calls SDPA from them, and that recompute belongs to the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import _torch_cp
+from .errors import Problem, raise_if
+
+if TYPE_CHECKING:
+    from ._session import _Session
+
+SDPA = F.scaled_dot_product_attention
+"""torch's own function, as it was before any block patched it."""
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_CHECKPOINT_FILES = (os.path.join("torch", "utils", "checkpoint.py"),)
+
+
+def under_checkpoint() -> bool:
+    """Whether torch.utils.checkpoint is running the caller (a forward it will recompute)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class SDPAMode(TorchFunctionMode):
+    """Catches SDPA calls that bypass the patched ``F.scaled_dot_product_attention`` and sees backward.
+
+    A from-import (``from torch.nn.functional import scaled_dot_product_attention``) binds
+    torch's function before the block patches ``F``; the mode routes such calls to the ring.
+    A mode is popped while a backward it dispatched runs, so an activation checkpoint's
+    recompute would miss it: such calls under checkpointing are refused with the fix.
+    """
+
+    def __init__(self, session: _Session) -> None:
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is SDPA:
+            if not torch.compiler.is_compiling() and under_checkpoint():
+                raise_if([Problem(
+                    "scaled_dot_product_attention", "was called through a reference bound before the block "
+                    "(a from-import) inside activation checkpointing, where its recompute cannot be routed "
+                    "to the ring", "call it as torch.nn.functional.scaled_dot_product_attention(...) "
+                    "(F.scaled_dot_product_attention), which cptune patches for the block")])
+            return self.session.sdpa(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func in _BACKWARDS:
+            self.session.backward_ran()
+        return result
+
+
+def check_thread(owner: int) -> None:
+    """Refuse SDPA from a thread other than the block's ``owner``, unless autograd runs it (a recompute)."""
+    if threading.get_ident() != owner and not _torch_cp.in_backward():
+        raise_if([Problem(
+            "scaled_dot_product_attention", f"was called from thread {threading.current_thread().name!r} while a "
+            "cptune.context_parallel block is open in another thread; cptune routes every SDPA call in the process "
+            "to the open block (one block per process at a time, its attention on its own thread)",
+            "run this attention on the block's thread, or outside the block (after it closes)")])
+
+
+@contextlib.contextmanager
+def patched_sdpa(session: _Session) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as the session's ring while the block runs.
+
+    torch.compile traces this function (through activation-checkpoint regions too, where it
+    does not apply torch-function modes), and eager recomputes call it from autograd's threads.
+    """
+    owner = threading.get_ident()
+
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            check_thread(owner)
+        return session.sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = SDPA

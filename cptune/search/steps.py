@@ -1,0 +1,89 @@
+"""The steps a search measures: the attention-only proxy step, or the user's own step function."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .._ring import RING_ATTENTION_OPS
+from .._ulysses import ULYSSES_OPS
+from ..errors import CPTuneError, Problem, ValidationError
+from ..workload import Workload
+
+StepFn = Callable[..., object]
+
+
+class ProxyStep:
+    """``layers`` residual self-attention layers, forward + backward, on this rank's (B, H, S/cp, D) shard.
+
+    Each layer computes ``h = h + SDPA(h, h', h')`` (``h'``: the first kv_heads heads, for
+    GQA), so what a layer keeps for backward grows with its share of the sequence, like a
+    model's activations, while the ring's buffers live one layer at a time. Inputs are made
+    at their local size (each rank holds only its part of the sequence, as in training where
+    activations come from sharded token ids), so measured memory is what CP really uses.
+    """
+
+    def __init__(self, workload: Workload, device: torch.device, cp: int) -> None:
+        w = workload
+        gen = torch.Generator(device=device).manual_seed(0)
+        shape = (w.batch, w.heads, w.seq_len // cp, w.head_dim)
+        self.x = torch.randn(shape, device=device, generator=gen).to(w.torch_dtype).requires_grad_()
+        self.grad = torch.randn(shape, device=device, generator=gen).to(w.torch_dtype)
+        self.kv_heads = w.kv_heads or w.heads
+        self.causal, self.layers, self.gqa = w.causal, w.layers, self.kv_heads != w.heads
+        layer = self.layer
+        if w.ac != "none":
+            layer = functools.partial(_checkpointed, self.layer, w.ac == "selective")
+        self.run_layer = torch.compile(layer) if w.compile else layer
+
+    def layer(self, h: torch.Tensor) -> torch.Tensor:
+        kv = h[:, : self.kv_heads].contiguous() if self.gqa else h
+        return h + F.scaled_dot_product_attention(h, kv, kv, is_causal=self.causal, enable_gqa=self.gqa)
+
+    def __call__(self) -> None:
+        self.x.grad = None
+        h = self.x
+        for _ in range(self.layers):
+            h = self.run_layer(h)
+        h.backward(self.grad)
+
+
+def _keep_ring(ctx, op, *args, **kwargs):
+    keep = op in RING_ATTENTION_OPS or op in ULYSSES_OPS  # never recompute communication
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpointed(layer: Callable, selective: bool, h: torch.Tensor) -> torch.Tensor:
+    if selective:
+        return checkpoint(layer, h, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_ring))
+    return checkpoint(layer, h, use_reentrant=False)
+
+
+def load_user_step(spec: str) -> Callable[[Workload, torch.device], tuple[StepFn, Sequence[torch.Tensor], Sequence[int]]]:
+    """Import 'module:function'. The function takes (workload, device), builds its model once and
+    returns (step, buffers, seq_dims): ``step(*buffers)`` runs one forward + backward on the
+    buffers cptune has sharded (e.g. input_ids, labels), and ``seq_dims`` gives their sequence dims."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValidationError([Problem("--workload", f"cannot import {module_name!r}: {exc}",
+                                       "make the module importable (run from its folder or install it)")]) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValidationError([Problem("--workload", f"{module_name} has no function {attr!r}",
+                                       f"name a function defined in {module_name}")])
+    return fn
+
+
+def build_user_step(workload: Workload, device: torch.device):
+    made = load_user_step(workload.step)(workload, device)
+    if not (isinstance(made, tuple) and len(made) == 3 and callable(made[0])):
+        raise CPTuneError(f"{workload.step} must return (step, buffers, seq_dims); got {type(made).__name__}")
+    return made

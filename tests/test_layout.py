@@ -1,0 +1,83 @@
+"""The package's map holds: modules of a readable size, no import cycle, one boundary to torch's private code,
+and the README's Layout section naming every module. Pure file reads: no torch process group."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "cptune"
+MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """cptune modules ``module`` imports, at module level or inside functions (TYPE_CHECKING blocks aside)."""
+    tree = ast.parse(path.read_text())
+    guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for n in ast.walk(node)}
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES}
+            found |= subs
+            if target in MODULES and len(subs) < len(node.names):
+                found.add(target)
+    # a package that is the importer's own ancestor is already importing: not an edge
+    return {m for m in found if not (module == m or module.startswith(m + "."))}
+
+
+def test_no_module_is_past_400_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split these modules: {long}"
+
+
+def test_no_import_cycle_even_through_imports_inside_functions():
+    graph = {m: _imports(m, p) for m, p in MODULES.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_only_the_boundary_module_reaches_torch_private_code():
+    private = re.compile(r"tensor\.experimental\._|_context_parallel|torch\._C\.|distributed_c10d\._")
+    users = sorted(m for m, p in MODULES.items() if private.search(p.read_text()))
+    assert users == ["cptune._torch_cp"], users
+
+
+def test_readme_layout_names_every_module():
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    missing = [m for m, p in MODULES.items() if p.name != "__init__.py" and p.name not in layout
+               and f"`{p.stem}`" not in layout]
+    assert not missing, f"README's Layout section does not name {missing}"
+
+
+def test_texts_follow_their_constants():
+    from cptune.search import racing
+    from cptune.search.result import SearchResult
+
+    assert f"within {racing.INDIFFERENCE:.0%} after paired race rounds" in SearchResult.LEGEND
+    assert f"within {racing.MEMORY_TIE:.0%} counts as equal" in racing.TIE_RULE
