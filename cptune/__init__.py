@@ -8,20 +8,25 @@ Main API:
 - :func:`unshard`: the full tensors back, in original order.
 - :func:`shift_labels` / :func:`num_items_in_batch`: next-token labels shifted before sharding,
   and the loss divisor that makes a summed loss the exact single-device mean.
-- :data:`RING_ATTENTION_OPS` / :data:`ULYSSES_OPS`: the ring attention op and Ulysses' all-to-alls,
+- :data:`RING_ATTENTION_OPS` / :data:`ULYSSES_OPS`: the ring attention ops and Ulysses' all-to-alls,
   for selective activation checkpointing policies.
+- :func:`scaled_dot_product_attention` and ``documents_from_*``: packed documents and sliding
+  windows (``context_parallel(documents=..., window=...)``), at the cost of the attended pairs.
 - ``cptune.hf.enable(model)``: transformers models under CP (optional module).
 - :func:`search`: measure configurations on real ranks, return the fastest that fits in memory.
 - :func:`load_recipe` / :class:`Recipe`: the search's result as a torchrun recipe file.
 - :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
 """
 
+from ._documents import documents_from_cu_seqlens, documents_from_eos, documents_from_lengths, \
+    documents_from_position_ids
+from ._attention import RING_ATTENTION_OPS
 from ._loss import shift_labels
-from ._version import __version__  # noqa: F401
-from ._ring import RING_ATTENTION_OPS
 from ._ulysses import ULYSSES_OPS
+from ._version import __version__  # noqa: F401
 from .config import CPConfig
-from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, unshard
+from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, scaled_dot_product_attention, \
+    unshard
 from .errors import CPTuneError, Problem, ValidationError
 from .recipe import Recipe, load_recipe, save_recipe
 from .search import SearchResult, Workload, search
@@ -39,10 +44,15 @@ __all__ = [
     "ValidationError",
     "Workload",
     "context_parallel",
+    "documents_from_cu_seqlens",
+    "documents_from_eos",
+    "documents_from_lengths",
+    "documents_from_position_ids",
     "load_recipe",
     "num_items_in_batch",
     "replica_rows",
     "save_recipe",
+    "scaled_dot_product_attention",
     "search",
     "shift_labels",
     "unshard",

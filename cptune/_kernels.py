@@ -173,3 +173,105 @@ def ring_backend_problem(device_type: str, backend: str, dtype: torch.dtype) -> 
 def ring_backend(device_type: str, backend: str) -> RingBackend:
     _torch_cp.require_cp()
     return _RING_BACKENDS[(device_type, backend)]
+
+
+# --------------------------------------------------------------------------------------
+# One block: a single kernel call on (B, H, Lq, D) queries and (B, H, Lk, D) keys/values of
+# equal head counts, causal (top-left aligned) and/or masked, returning (out, lse) with lse in
+# float32 and -inf for rows that attend to nothing. The masked ring (:mod:`cptune._masked_ring`)
+# merges such calls; backward takes the *merged* out and lse, so each call's gradient is exact.
+# --------------------------------------------------------------------------------------
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results merge in: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True: attend) as an additive bias; a float mask is a bias already."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _empty_rows(mask: torch.Tensor | None, lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf for rows the mask hides entirely (the CPU kernel reports 0 there)."""
+    if mask is None:
+        return lse
+    seen = (mask if mask.dtype == torch.bool else ~torch.isneginf(mask)).any(-1).expand(lse.shape)
+    return lse.masked_fill(~seen, float("-inf"))
+
+
+def _scores(q, k, causal, mask, scale):
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # CUDA: float32 (no float64 kernels here)
+    if mask is not None:
+        s = s + _additive(mask, torch.float32)
+    if causal:
+        tri = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~tri, float("-inf"))
+    return s
+
+
+def _math_forward(q, k, v, causal, mask, scale):
+    s = _scores(q, k, causal, mask, scale)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(p, v.float()).to(q.dtype), lse
+
+
+def _math_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
+    s = _scores(q, k, causal, mask, scale)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    g = grad_out.float()
+    dv = torch.matmul(p.transpose(-1, -2), g)
+    dp = torch.matmul(g, v.float().transpose(-1, -2))
+    ds = p * (dp - (g * out.float()).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k.float()) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.float()) * scale
+    return dq, dk, dv
+
+
+def block_forward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one block with ``backend``'s kernel, lse in :func:`accumulator` precision; masked blocks on
+    CUDA by the math formula (tile-sized)."""
+    if q.device.type == "cpu":
+        bias = _additive(mask, q.dtype) if mask is not None else None
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        return out, _empty_rows(mask, lse.to(accumulator(q.dtype)))
+    if mask is not None:
+        return _math_forward(q, k, v, causal, mask, scale)
+    if backend == "efficient":
+        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., :q.shape[-2]].float()
+    if backend == "cudnn":
+        res = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return res[0], res[1].reshape(q.shape[:-1]).float()
+    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, lse.float()
+
+
+def block_backward(backend: str, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, given the merged ``out`` and ``lse`` of its query rows (rows of lse
+    that attend to nothing anywhere must be +inf, so they contribute nothing)."""
+    if q.device.type == "cpu":
+        bias = _additive(mask, q.dtype) if mask is not None else None
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse.to(accumulator(q.dtype)), 0.0, causal, attn_mask=bias, scale=scale)[:3]
+    if mask is not None:
+        return _math_backward(grad_out, q, k, v, out, lse, causal, mask, scale)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    if backend == "efficient":
+        padded = torch.nn.functional.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own padded length
+        return aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out.transpose(1, 2).contiguous().transpose(1, 2), padded, seed, seed, 0.0,
+            (True, True, True, False), causal, scale=scale)[:3]
+    if backend == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse.unsqueeze(-1), seed, seed, None, None, None, q.shape[-2], k.shape[-2], 0.0,
+            causal, scale=scale)[:3]
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, seed, scale=scale)[:3]

@@ -4,8 +4,8 @@ A custom op is opaque to torch.compile (no graph break, no tracing into collecti
 recorded in the autograd graph with the configuration as plain arguments (so a checkpoint's
 recompute and a backward after the block both run the ring as it was at forward time), and
 names its process group by string, as torch's own compile-friendly CP ops do.
-:func:`ring_attention` is what the session calls; :data:`RING_ATTENTION_OPS` is what
-selective-checkpointing policies name.
+:func:`ring_attention` is what the session calls; :data:`PYTORCH_RING_OPS` is what
+selective-checkpointing policies name (through ``cptune.RING_ATTENTION_OPS``).
 """
 
 from __future__ import annotations
@@ -74,24 +74,29 @@ def _(grad_out, q, k, v, out, lse, group_name, backend, is_causal, scale, rotate
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _ring_setup_context(ctx, inputs, output):
-    q, k, v, *args = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = args
+def register_attention_autograd(forward_op: Any, backward_op: Any) -> None:
+    """Autograd for an attention op ``(q, k, v, *config) -> (out, lse)`` whose backward op is
+    ``(grad_out, q, k, v, out, lse, *config) -> (dq, dk, dv)``: the configuration travels as plain arguments."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *args = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
+        return (dq, dk, dv) + (None,) * len(ctx.args)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
-def _ring_backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _ring_attention_backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+register_attention_autograd(_ring_attention_op, _ring_attention_backward_op)
 
 
-_ring_attention_op.register_autograd(_ring_backward, setup_context=_ring_setup_context)
-
-
-RING_ATTENTION_OPS = (torch.ops.cptune.ring_attention.default,)
-"""The ring attention op, e.g. for a selective activation-checkpointing policy's save list."""
+PYTORCH_RING_OPS = (torch.ops.cptune.ring_attention.default,)
+"""The op that runs PyTorch's ring (see ``cptune._attention.RING_ATTENTION_OPS`` for all of them)."""
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, backend: str,

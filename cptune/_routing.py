@@ -23,13 +23,20 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from . import _torch_cp
-from .errors import Problem, raise_if
+from .errors import CPTuneError, Problem, ValidationError, raise_if
 
 if TYPE_CHECKING:
     from ._session import _Session
 
 SDPA = F.scaled_dot_product_attention
 """torch's own function, as it was before any block patched it."""
+FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
+"""FlexAttention's operator (its eager path calls it too, from a function it compiles)."""
+FLEX_REFUSED = Problem("flex_attention", "was called inside a cptune.context_parallel block, where it would attend over "
+                       "this rank's shard only (cptune routes SDPA, not FlexAttention)",
+                       "use F.scaled_dot_product_attention inside the block: packed documents and sliding windows go "
+                       "to cptune.context_parallel(documents=..., window=...)")
+_FLEX_TEXT = f"cptune: {FLEX_REFUSED}"  # a constant: traced code formats no dataclass
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 _CHECKPOINT_FILES = (os.path.join("torch", "utils", "checkpoint.py"),)
 
@@ -59,6 +66,8 @@ class SDPAMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if FLEX is not None and func is FLEX:  # a plain exception: FlexAttention traces this call even in eager,
+            raise CPTuneError(_FLEX_TEXT)  # and torch.compile wraps it (the block unwraps it)
         if func is SDPA:
             if not torch.compiler.is_compiling() and under_checkpoint():
                 raise_if([Problem(
@@ -81,6 +90,19 @@ def check_thread(owner: int) -> None:
             "cptune.context_parallel block is open in another thread; cptune routes every SDPA call in the process "
             "to the open block (one block per process at a time, its attention on its own thread)",
             "run this attention on the block's thread, or outside the block (after it closes)")])
+
+
+def unwrap(exc: BaseException | None) -> CPTuneError | None:
+    """cptune's own error inside another one (torch.compile wraps what a traced call raises), to raise instead."""
+    seen, cause = set(), exc
+    while cause is not None and not isinstance(exc, CPTuneError) and id(cause) not in seen:
+        if isinstance(cause, CPTuneError):
+            return cause
+        if FLEX_REFUSED.message in str(cause):  # traced, it comes back as torch._dynamo's copy of it
+            return ValidationError([FLEX_REFUSED])
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 @contextlib.contextmanager

@@ -12,13 +12,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _hooks, _loss, _routing, _sharding, _torch_cp, _ulysses
-from ._kernels import expand_kv
-from ._ring import ring_attention
+from . import _attention, _documents, _hooks, _loss, _routing, _sharding, _torch_cp, _ulysses
 from .config import CPConfig
-from .errors import CPTuneError, Problem, ValidationError, raise_if
+from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .recipe import world_size_problems
-from .validate import BufferPlan, check_buffers, check_sdpa_call, pick_backend, transport_problems
+from .validate import BufferPlan, check_buffers, pick_backend, transport_problems
 
 _KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -28,10 +26,6 @@ _KERNELS = {
 }
 _MESHES: dict[tuple, DeviceMesh] = {}  # meshes cptune built, reused: building one is a collective
 _ACTIVE: list[_Session] = []  # sessions inside a with-block / decorated call, innermost last
-
-
-class CPTuneWarning(UserWarning):
-    """cptune changed something it was asked to do (e.g. turned load balancing off) and says why."""
 
 
 def default_backends() -> tuple[str, ...]:
@@ -48,8 +42,14 @@ def active() -> _Session | None:
 class _Session:
     """One activation of a context_parallel: validated inputs, mesh, shards, and what to undo."""
 
-    def __init__(self, config: CPConfig, causal: bool, recipe: Any = None) -> None:
+    def __init__(self, config: CPConfig, causal: bool, recipe: Any = None, documents: Any = None,
+                 window: Any = None) -> None:
         self.config, self.causal, self.recipe = config, causal, recipe
+        self.documents: torch.Tensor | None = None  # (B or 1, S) int64 on the CPU, once checked
+        self.window = None
+        self._asked = (documents, window)
+        self._chunks: tuple[tuple[int, ...], ...] | None = None  # work-balanced layout (documents, causal)
+        self._positions: torch.Tensor | None = None
         self.dp = self.cp = self.ulysses = self.ring = 1
         self.cp_rank = self.dp_rank = 0
         self.ulysses_group: dist.ProcessGroup | None = None  # ranks that trade heads (Ulysses / hybrid)
@@ -64,6 +64,7 @@ class _Session:
         self._grad_buffers: dict[int, tuple[torch.Tensor, int]] = {}
         self._stack = contextlib.ExitStack()
         self._restores: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
+        self._originals: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, buffer, whole sequence)
         self._checkpointed = False  # a checkpointed ring forward ran since the last backward
         self._forward_since_backward = False
 
@@ -81,6 +82,7 @@ class _Session:
             buffers, seq_dims, cp=self.cp, load_balance=self.config.load_balance, causal=self.causal,
             device_type=self.device_type, no_restore=no_restore, ring=self.ring)
         problems += buffer_problems
+        problems += self._mask_rules()
         if self.plan.seq_len is None:
             self.plan.load_balance = self.config.load_balance_for(self.causal, self.cp)
         dtype = next((t.dtype for t in self.plan.tensors if t.is_floating_point()), None)
@@ -95,12 +97,14 @@ class _Session:
         for note in self.plan.notes:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 warnings.warn(note, CPTuneWarning, stacklevel=4)
+        if self.documents is not None and self.plan.load_balance and self.ring > 1:
+            self._chunks = _balanced(self.documents, self.plan.seq_len, self.cp, self.ring, self.causal, self.window)
         try:
             self._shard(no_restore, inplace)
             if self.config.sdpa_backend is not None:
                 self._stack.enter_context(
                     sdpa_kernel([_KERNELS[b] for b in self.backends], set_priority=True))
-            if self.cp > 1:
+            if self.cp > 1 or self.documents is not None or self.window is not None:
                 self._stack.enter_context(_routing.SDPAMode(self))
                 self._stack.enter_context(_routing.patched_sdpa(self))
                 self._stack.enter_context(_hooks.forward_listener(self._ring_forward_ran))
@@ -109,6 +113,24 @@ class _Session:
             raise
         _ACTIVE.append(self)
         return self
+
+    def _mask_rules(self) -> list[Problem]:
+        """Check the block's documents and window (before anything is sharded) and keep them in planner form."""
+        documents, window = self._asked
+        problems = []
+        try:
+            self.window = _documents.check_window(window)
+        except ValidationError as exc:
+            problems += exc.problems
+        if documents is not None:
+            if self.plan.seq_len is None:
+                return problems + [Problem("documents", "are given but no buffer is sharded",
+                                           "pass the sequence buffers too (buffers= / seq_dims=)")]
+            found = _documents.document_problems(documents, self.plan.seq_len, None)
+            if found:
+                return problems + found
+            self.documents = _documents.as_rows(documents)
+        return problems
 
     def _resolve_mesh(self, mesh: DeviceMesh | None, buffer_device: str | None) -> list[Problem]:
         if mesh is not None:
@@ -181,6 +203,7 @@ class _Session:
 
     def _shard(self, no_restore: Sequence[Any], inplace: bool) -> None:
         for name, t, dim in zip(self.plan.names, self.plan.tensors, self.plan.dims):
+            self._originals.append((name, t, t.detach() if inplace and self.cp > 1 else t))
             if self.cp == 1:
                 self.shards[name] = t
             elif t.requires_grad:
@@ -206,40 +229,37 @@ class _Session:
 
     @property
     def layout(self) -> _sharding.Layout:
-        return _sharding.Layout(self.cp, self.ring, self.plan.load_balance)
+        return _sharding.Layout(self.cp, self.ring, self.plan.load_balance, self._chunks)
 
-    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-             enable_gqa=False):
-        q, k, v = self._local(query), self._local(key), self._local(value)
-        full = self.plan.seq_len
-        raise_if(check_sdpa_call(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                 enable_gqa=enable_gqa, causal=self.causal,
-                                 local_len=full // self.cp if full else None, full_len=full,
-                                 strategy=self.config.strategy, ulysses=self.ulysses))
-        if self.ulysses > 1:
-            replicas = _ulysses.kv_replication(q.shape[1], k.shape[1], self.ulysses)
-            if replicas > 1:
-                if not torch.compiler.is_compiling() and (not dist.is_initialized() or dist.get_rank() == 0):
-                    warnings.warn(f"cptune: {k.shape[1]} key/value heads do not divide among {self.ulysses} Ulysses "
-                                  f"ranks; each is sent {replicas} times (use a Ulysses degree that divides the "
-                                  "key/value heads to avoid it)", CPTuneWarning, stacklevel=3)
-                k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
-            q, k, v = (_ulysses.seq_to_heads(t, self.ulysses_group, self.ulysses) for t in (q, k, v))
-            if attn_mask is not None and attn_mask.ndim >= 3 and attn_mask.shape[-3] > 1:  # per-head mask
-                heads = q.shape[1]
-                attn_mask = attn_mask.narrow(-3, (self.cp_rank % self.ulysses) * heads, heads)  # this rank's heads
-        if self.ring > 1:
-            backend = self._ring_backend(q.device.type, q.dtype)
-            out = ring_attention(q, k, v, self.ring_group, backend, is_causal, scale, self.config.rotate_method,
-                                 self.plan.load_balance)
-        else:
-            k, v = expand_kv(q, k, v)  # here, after the all-to-all: the CPU flash kernel has no GQA
-            # the aten op: below torch-function modes, so SDPAMode does not send it back here
-            out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, dropout_p, is_causal,
-                                                                      scale=scale)
-        return _ulysses.heads_to_seq(out, self.ulysses_group, self.ulysses) if self.ulysses > 1 else out
+    def positions(self) -> torch.Tensor:
+        """(ring degree, S / ring degree): the global positions each ring rank's block holds."""
+        if self._positions is None:
+            layout, n = self.layout, self.plan.seq_len
+            self._positions = torch.stack([layout.ring_positions(n, r) for r in range(self.ring)])
+        return self._positions
 
-    def _ring_backend(self, device_type: str, dtype: torch.dtype) -> str:
+    def sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _attention.attend(self, *args, **kwargs)
+
+    def use_documents(self, documents: torch.Tensor, source: str) -> None:
+        """Apply documents found after the block opened (a transformers packed batch): same as given, or refused."""
+        ids = _documents.as_rows(documents)
+        if self.documents is None:
+            raise_if(_documents.document_problems(ids, self.plan.seq_len, None, source))
+            self.documents = ids
+        elif not _same_documents(self.documents, ids):
+            raise_if([Problem(source, "describe other documents than the block's documents=",
+                              "pass the same packing to both, or leave documents= out and let the model's "
+                              "packed inputs say it")])
+
+    def full_tensor(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """The whole-sequence tensor whose shard this is, if it is one of the block's buffers (no communication)."""
+        for name, t, saved in self._originals:
+            if self.shards.get(name) is shard:
+                return saved
+        return None
+
+    def ring_backend(self, device_type: str, dtype: torch.dtype) -> str:
         # No cache: a side effect here would break torch.compile inside checkpointed regions.
         name, problems = pick_backend(self.backends, device_type, dtype, ring=True)
         raise_if(problems)
@@ -304,6 +324,29 @@ class _Session:
             out = [_sharding.gather(t.detach(), d % t.ndim, self.group, self.layout)
                    for t, d in zip(items, dims)]
         return out[0] if single else out
+
+
+def _same_documents(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two (rows, S) id tensors cut the sequence the same way (ids may be numbered differently)."""
+    if a.shape[-1] != b.shape[-1] or (a.shape[0] != b.shape[0] and 1 not in (a.shape[0], b.shape[0])):
+        return False
+    rows = max(a.shape[0], b.shape[0])
+    a, b = a.expand(rows, -1), b.expand(rows, -1)
+    return bool(((a[:, 1:] != a[:, :-1]) == (b[:, 1:] != b[:, :-1])).all())
+
+
+def _balanced(documents: torch.Tensor, seq_len: int, cp: int, ring: int, causal: bool,
+              window: Any) -> tuple[tuple[int, ...], ...] | None:
+    """Chunks per ring rank that balance the causal work of these documents (None: head-tail is as good)."""
+    work = _documents.token_work(documents, seq_len, causal, window)
+    grid = next((g for g in (8 * ring, 4 * ring, 2 * ring) if seq_len % g == 0), None)
+    if grid is None:
+        return None
+    chunks = _documents.balanced_chunks(work, ring, grid)
+    head_tail = _documents.head_tail_chunks(ring)
+    if _documents.imbalance(work, chunks, grid) >= _documents.imbalance(work, head_tail, 2 * ring):
+        return None
+    return chunks
 
 
 def _restore(t: torch.Tensor, saved: torch.Tensor) -> None:

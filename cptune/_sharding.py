@@ -3,7 +3,9 @@
 Without load balancing rank r holds the r-th of ``cp`` equal chunks. With load balancing
 (head-tail, the layout PyTorch's ring attention expects) the sequence is cut into ``2*cp``
 chunks and rank r holds chunks r and 2*cp-1-r, so every rank gets the same amount of causal
-work. Under Ulysses the sequence is split in order; under the hybrid, see :class:`Layout`.
+work. Under Ulysses the sequence is split in order; under the hybrid, see :class:`Layout`. With
+packed documents, load balancing balances the *work* instead (``chunks``: a finer grid of equal
+chunks dealt to the ring ranks by attended pairs, see :func:`cptune._documents.balanced_chunks`).
 """
 
 from __future__ import annotations
@@ -26,25 +28,28 @@ class Layout:
     cp: int
     ring: int
     load_balance: bool
+    chunks: tuple[tuple[int, ...], ...] | None = None
+    """Chunk indices per ring rank, of a grid of equal chunks (None: head-tail under load balancing, else in order)."""
 
-    def indices(self, seq_len: int, rank: int, device: torch.device) -> torch.Tensor:
+    def ring_positions(self, seq_len: int, ring_rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Positions of the full sequence in ring shard ``ring_rank``, in its order."""
+        chunks = self.chunks
+        if chunks is None:
+            chunks = tuple((r, 2 * self.ring - 1 - r) for r in range(self.ring)) if self.load_balance else \
+                tuple((r,) for r in range(self.ring))
+        size = seq_len // sum(len(c) for c in chunks)
+        return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks[ring_rank]])
+
+    def indices(self, seq_len: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Positions of the full sequence that CP rank ``rank`` holds, in its local order."""
         ulysses = self.cp // self.ring
         ring_rank, piece = divmod(rank, ulysses)
-        if self.load_balance:
-            chunk = seq_len // (2 * self.ring)
-            head = torch.arange(ring_rank * chunk, (ring_rank + 1) * chunk, device=device)
-            tail_start = (2 * self.ring - 1 - ring_rank) * chunk
-            positions = torch.cat([head, torch.arange(tail_start, tail_start + chunk, device=device)])
-        else:
-            chunk = seq_len // self.ring
-            positions = torch.arange(ring_rank * chunk, (ring_rank + 1) * chunk, device=device)
         size = seq_len // self.cp
-        return positions[piece * size:(piece + 1) * size]
+        return self.ring_positions(seq_len, ring_rank, device)[piece * size:(piece + 1) * size]
 
     @property
     def contiguous(self) -> bool:
-        return not (self.load_balance and self.ring > 1)
+        return self.chunks is None and not (self.load_balance and self.ring > 1)
 
 
 def shard(t: torch.Tensor, dim: int, layout: Layout, rank: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ def _seq_to_heads(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=_group(group_name))  # recv[j]: rank j's tokens of my heads
     _hooks.notify_forward()
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // degree, degree * s, d)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // degree, degree * s, d).contiguous()
 
 
 @_seq_to_heads.register_fake
@@ -47,7 +47,7 @@ def _heads_to_seq(x: torch.Tensor, group_name: str, degree: int) -> torch.Tensor
     send = x.reshape(b, h, degree, s, d).permute(2, 0, 1, 3, 4).contiguous()  # [j]: rank j's tokens
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=_group(group_name))  # recv[j]: head group j of my tokens
-    return recv.transpose(0, 1).reshape(b, degree * h, s, d)
+    return recv.transpose(0, 1).reshape(b, degree * h, s, d).contiguous()  # h == 1: a view
 
 
 @_heads_to_seq.register_fake

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._session import CPTuneWarning, _Session, active, default_backends
+from . import _documents, _routing
+from ._session import _Session, active, default_backends
 from .config import SDPA_BACKENDS, ConfigLike, as_config
-from .errors import CPTuneError, Problem, ValidationError, raise_if
+from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .recipe import ENV_VAR, Recipe, load_recipe
 
 
@@ -56,6 +58,15 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
     with neither ``config`` nor ``recipe`` given, the recipe named by $CPTUNE_RECIPE (set by
     ``cptune launch``) is used if set. A recipe for another world size or device is an error.
 
+    ``documents``: packed documents, as integer ids per token of the whole sequence, (B, S) or
+    (S,) (``cptune.documents_from_position_ids`` / ``_from_lengths`` / ``_from_cu_seqlens`` /
+    ``_from_eos`` make them; the decorator form also takes the name of an argument holding them).
+    Every SDPA call in the block then attends inside documents only, at the cost of the attended
+    pairs (no (S, S) mask is built), under every strategy; with causal load balancing the
+    sequence is dealt to the ranks by work. ``window=(left, right)``: each token attends to
+    ``left`` earlier and ``right`` later tokens besides itself (with causal attention, earlier
+    only), e.g. ``(4095, 0)`` for Mistral's ``sliding_window=4096``. They apply with cp = 1 too.
+
     ``mesh``: a 1-D mesh, or one with a dim named "cp"; None builds a ("dp", "cp") mesh of
     ``config.mesh_shape`` over the default process group. On exit every global cptune set
     (SDPA kernel choice, torch's rotate method and load-balance flag, the SDPA hook) is back
@@ -68,32 +79,39 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
 
     def __init__(self, buffers: Any = None, seq_dims: Any = None, *, config: ConfigLike = None,
                  mesh: DeviceMesh | None = None, causal: bool = True, no_restore: Sequence[Any] = (),
-                 recipe: Any = None) -> None:
+                 recipe: Any = None, documents: Any = None, window: Any = None) -> None:
         self.recipe = _recipe_for(config, recipe)
         self.config = self.recipe.config if self.recipe is not None else as_config(config)
         self.buffers, self.seq_dims, self.mesh = buffers, seq_dims, mesh
         self.causal, self.no_restore = bool(causal), tuple(no_restore)
+        self.documents, self.window = documents, window
         self._session: _Session | None = None
 
-    def _new_session(self) -> _Session:
+    def _new_session(self, documents: Any = None) -> _Session:
         current = active()
         if current is not None and current is self._session:
             raise CPTuneError("this context_parallel is already active; it cannot be entered twice at once")
         if current is not None:
             raise CPTuneError("a cptune.context_parallel block is already active in this process; "
                               "nest attention inside one block instead of opening another")
-        self._session = _Session(self.config, self.causal, self.recipe)
+        self._session = _Session(self.config, self.causal, self.recipe, documents, self.window)
         return self._session
 
     @torch.compiler.disable  # set-up and teardown run eagerly; torch.compile traces the block's model code
     def __enter__(self) -> context_parallel:
-        self._new_session().start(self.mesh, self.buffers, self.seq_dims, self.no_restore, inplace=True)
+        if isinstance(self.documents, str):
+            raise_if([Problem("documents", f"is the name {self.documents!r}, which only the decorator form reads",
+                              "pass the document ids tensor itself to the with-block")])
+        self._new_session(self.documents).start(self.mesh, self.buffers, self.seq_dims, self.no_restore, inplace=True)
         return self
 
     @torch.compiler.disable
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._session is not None
         self._session.stop(failing=exc_type is not None)
+        ours = _routing.unwrap(exc)
+        if ours is not None:
+            raise ours from None
 
     def __call__(self, fn: Callable) -> Callable:
         sig = inspect.signature(fn)
@@ -106,6 +124,8 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
                                     "use seq_dims={'input_ids': 1, 'labels': 1}"))
         else:
             unknown = [n for n in self.seq_dims if n not in sig.parameters]
+            if isinstance(self.documents, str) and self.documents not in sig.parameters:
+                unknown.append(self.documents)
             if unknown:
                 problems.append(Problem("seq_dims", f"names {unknown} that {fn.__name__} does not take",
                                         f"use argument names of {fn.__name__}: {list(sig.parameters)}"))
@@ -118,13 +138,17 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
             raise_if([Problem(n, f"is a {type(t).__name__}, not a tensor",
                               f"pass a tensor for {n} or drop it from seq_dims")
                       for n, t in named.items() if not isinstance(t, torch.Tensor)])
-            session = self._open(named)
+            docs = bound.arguments.get(self.documents) if isinstance(self.documents, str) else self.documents
+            session = self._open(named, docs)
             try:
                 for name, path in zip(named, session.plan.names):
                     bound.arguments[name] = session.shards[path]
                 result = fn(*bound.args, **bound.kwargs)
-            except BaseException:
+            except BaseException as exc:
                 _stop(session, failing=True)
+                ours = _routing.unwrap(exc)
+                if ours is not None:
+                    raise ours from None
                 raise
             _stop(session)
             return result
@@ -132,9 +156,9 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         return wrapper
 
     @torch.compiler.disable
-    def _open(self, named: dict[str, torch.Tensor]) -> _Session:
+    def _open(self, named: dict[str, torch.Tensor], documents: Any) -> _Session:
         """Set up eagerly: under torch.compile of a decorated step, only the step is traced."""
-        return self._new_session().start(self.mesh, named, {n: self.seq_dims[n] for n in named}, (),
+        return self._new_session(documents).start(self.mesh, named, {n: self.seq_dims[n] for n in named}, (),
                                          inplace=False)
 
     # -- what the block knows ---------------------------------------------------------------
@@ -242,4 +266,35 @@ def unshard(tensors: Any, seq_dims: Any, *, context: context_parallel | None = N
                    "pass the object the with-statement returned (with ... as cp)").unshard(tensors, seq_dims)
 
 
-__all__ = ["context_parallel", "unshard", "num_items_in_batch", "replica_rows", "CPTuneWarning", "default_backends", "SDPA_BACKENDS"]
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: float | None = None, enable_gqa: bool = False, *, window: Any = None,
+                                 documents: Any = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with packed documents and a sliding window, in a block or on one device.
+
+    Inside a ``cptune.context_parallel`` block it runs as the block's CP attention; ``window`` and
+    ``documents`` default to the block's (None), ``False`` turns them off for this call, a value
+    replaces them. Outside a block it is single-device attention with the equivalent (S, S) mask.
+    """
+    session = active()
+    if session is not None:
+        return session.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            window="block" if window is None else window or None,
+                            documents="block" if documents is None else documents)
+    window = _documents.check_window(window or None)
+    if (documents is None or documents is False) and window is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if documents is not None and documents is not False:
+        raise_if(_documents.document_problems(documents, query.shape[-2], None))
+    rules = _documents.dense_mask(documents if documents is not False else None, window, is_causal, query.shape[-2],
+                                  query.device)
+    if attn_mask is not None:
+        rules = rules & attn_mask if attn_mask.dtype == torch.bool else \
+            torch.where(rules, attn_mask, torch.tensor(float("-inf"), dtype=attn_mask.dtype, device=attn_mask.device))
+    return F.scaled_dot_product_attention(query, key, value, rules, dropout_p, False, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+__all__ = ["context_parallel", "unshard", "num_items_in_batch", "replica_rows", "scaled_dot_product_attention",
+           "CPTuneWarning", "default_backends", "SDPA_BACKENDS"]

@@ -45,6 +45,10 @@ def raise_if(problems: list[Problem]) -> None:
         raise ValidationError(problems)
 
 
+class CPTuneWarning(UserWarning):
+    """cptune changed something it was asked to do (e.g. turned load balancing off) and says why."""
+
+
 class ProblemError(ValueError):
     """Raised inside a pydantic validator: carries the whole Problem (argument and fix) out of it."""
 

@@ -126,10 +126,11 @@ def _error_case(strategy, ulysses_degree=None, heads=4, **sdpa):
     return message
 
 
-def test_ring_refuses_mask_and_dropout_naming_ulysses(ranks):
-    mask = torch.ones(16, 16, dtype=torch.bool)
-    for message in ranks(2).run(_error_case, "ring", attn_mask=mask, dropout_p=0.1):
-        assert "attn_mask" in message and "dropout_p" in message and "strategy='ulysses'" in message
+def test_ring_refuses_dropout_and_a_shard_sized_mask_naming_the_alternatives(ranks):
+    for message in ranks(2).run(_error_case, "ring", attn_mask=torch.ones(16, 16, dtype=torch.bool), dropout_p=0.1):
+        assert "dropout_p" in message and "strategy='ulysses'" in message and "attn_mask" not in message
+    for message in ranks(2).run(_error_case, "ring", attn_mask=torch.ones(8, 8, dtype=torch.bool)):
+        assert "attn_mask" in message and "(16, 16)" in message and "documents=" in message and "window=" in message
 
 
 def test_ulysses_preconditions(ranks):

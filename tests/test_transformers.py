@@ -121,3 +121,96 @@ def _hf_mistake_case(mistake):
 def test_silent_mistakes_are_refused(ranks, mistake, named):
     for message in ranks(2).run(_hf_mistake_case, mistake):
         assert named in message and "Fix:" in message, message
+
+
+# -- packed batches and sliding windows: silently wrong before cptune knew documents ---------------
+
+
+def _packed_batch(flash_kwargs=False):
+    """Three documents packed the way transformers packs them (DataCollatorWithFlattening): one row,
+    position_ids restarting at 0 in every document, -100 labels at each document's first token."""
+    from transformers import DataCollatorWithFlattening
+
+    gen = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (20, 7, 37)]  # 64 tokens
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    return collate([{"input_ids": d} for d in docs])
+
+
+def _packed_case(rotate, flash_kwargs, steps=2, **strategy):
+    import cptune.hf
+
+    batch = _packed_batch(flash_kwargs)
+    ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
+    extra = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in batch}
+    ref, model = _llama(), _llama()
+    cptune.hf.enable(model)
+    world = dist.get_world_size()
+    config = cptune.CPConfig(rotate_method=rotate, **strategy)
+    results = []
+    for _ in range(steps):
+        for m in (ref, model):
+            m.zero_grad()
+        ref_out = ref(input_ids=ids, position_ids=positions, labels=labels, use_cache=False)
+        ref_out.loss.backward()
+        shifted = cptune.shift_labels(labels)
+        with cptune.context_parallel(buffers=[ids, shifted, positions], seq_dims=[1, 1, 1], config=config) as cp:
+            out = model(input_ids=ids, position_ids=positions, shift_labels=shifted, use_cache=False, **extra)
+            out.loss.backward()
+            logits = cp.unshard(out.logits, 1)
+        loss = out.loss.detach()
+        dist.all_reduce(loss)
+        grad_err = 0.0
+        for p, r in zip(model.parameters(), ref.parameters()):
+            dist.all_reduce(p.grad)
+            grad_err = max(grad_err, (p.grad / world - r.grad).abs().max().item())
+        results.append({"loss_err": abs(loss.item() / world - ref_out.loss.item()), "grad_err": grad_err,
+                        "logits_err": (logits - ref_out.logits).abs().max().item()})
+    return results
+
+
+@pytest.mark.parametrize("world,rotate,flash_kwargs,strategy", [
+    (2, "alltoall", False, {}), (4, "allgather", True, {}), (2, "alltoall", False, {"strategy": "ulysses"}),
+    (4, "alltoall", False, {"strategy": "hybrid", "ulysses_degree": 2})])
+def test_a_packed_batch_trains_like_one_process(ranks, world, rotate, flash_kwargs, strategy):
+    for per_rank in ranks(world).run(_packed_case, rotate, flash_kwargs, **strategy):
+        for r in per_rank:
+            assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["logits_err"] <= TOL, per_rank
+
+
+def _mistral_window_case(rotate):
+    import cptune.hf
+    from transformers import MistralConfig, MistralForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=256, sliding_window=16,
+                                                attn_implementation="sdpa"))
+
+    ref, model = build(), cptune.hf.enable(build())
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 128, (1, 128), generator=gen)
+    positions = torch.arange(128).expand(1, 128)
+    ref_logits = ref(input_ids=ids, position_ids=positions, use_cache=False).logits
+    ref_logits.square().mean().backward()
+    with cptune.context_parallel(buffers=[ids, positions], seq_dims=[1, 1],
+                                 config=cptune.CPConfig(rotate_method=rotate)) as cp:
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        (cp.cp_size * logits.square().sum() / ref_logits.numel()).backward()
+        full = cp.unshard(logits, 1)
+    world = dist.get_world_size()
+    grad_err = 0.0
+    for p, r in zip(model.parameters(), ref.parameters()):
+        dist.all_reduce(p.grad)
+        grad_err = max(grad_err, (p.grad / world - r.grad).abs().max().item())
+    outside = model(input_ids=ids, position_ids=positions, use_cache=False).logits  # one device, after the block
+    return {"logits_err": (full - ref_logits).abs().max().item(), "grad_err": grad_err,
+            "outside_err": (outside - ref_logits).abs().max().item()}
+
+
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+def test_a_sliding_window_model_matches_one_process(ranks, rotate):
+    for r in ranks(2).run(_mistral_window_case, rotate):
+        assert r["logits_err"] <= TOL and r["grad_err"] <= TOL and r["outside_err"] <= TOL, r

@@ -175,10 +175,10 @@ def _run(kind):
     elif kind == "full_length_query":
         with cptune.context_parallel(buffers=[k, v], seq_dims=[2, 2]):
             F.scaled_dot_product_attention(q * 1, k, v, is_causal=True)
-    elif kind == "gqa_heads":
-        k4 = torch.randn(1, 1, 16, 8)
-        with cptune.context_parallel(buffers=[q, k4, v], seq_dims=[2, 2, 2]):
-            F.scaled_dot_product_attention(q, k4, v, is_causal=True)
+    elif kind == "gqa_heads":  # 4 query heads on 2 key heads without enable_gqa: plain SDPA refuses it too
+        q4 = torch.randn(1, 4, 16, 8)
+        with cptune.context_parallel(buffers=[q4, k, v], seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q4, k, v, is_causal=True)
     elif kind == "backend_efficient_on_cpu":
         with cptune.context_parallel(buffers=[q], seq_dims=[2], config=cfg(sdpa_backend="efficient")):
             pass
@@ -220,7 +220,7 @@ BAD_INPUTS = {
     "lb_needs_2cp": ("config.load_balance", "set load_balance=False"),
     "lb_non_causal": ("config.load_balance", "set load_balance='auto' or False"),
     "is_causal_mismatch": ("is_causal", "pass causal=False to cptune.context_parallel"),
-    "attn_mask": ("attn_mask", "use is_causal=True"),
+    "attn_mask": ("attn_mask", "pass documents= / window= to cptune.context_parallel"),
     "dropout": ("dropout_p", "dropout_p=0.0 inside the CP block"),
     "layout": ("query", "transpose it to dim 2"),
     "full_length_query": ("query", "compute q/k/v inside the block from the sharded buffers"),

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .._ring import RING_ATTENTION_OPS
+from .._attention import RING_ATTENTION_OPS
 from .._ulysses import ULYSSES_OPS
 from ..errors import CPTuneError, Problem, ValidationError
 from ..workload import Workload

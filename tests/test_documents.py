@@ -1,0 +1,268 @@
+"""Packed documents and sliding windows: exact against single-device SDPA with the equivalent dense mask,
+under every strategy, rotate method and load balancing, on real gloo ranks; and the planner in isolation."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import cptune
+from cptune import _blocks, _documents
+from cptune._sharding import Layout
+from tests._helpers import max_err
+
+FP32_TOL = 1e-5
+
+# -- no process group ------------------------------------------------------------------------
+
+
+def _coverage(tasks, lq, lk):
+    cov = torch.zeros(lq, lk, dtype=torch.int32)
+    for t in tasks:
+        m = torch.ones(t.q1 - t.q0, t.k1 - t.k0, dtype=torch.bool)
+        if t.causal:
+            m = m.tril()
+        if t.mask is not None:
+            mask = t.mask if t.mask.dtype == torch.bool else ~torch.isneginf(t.mask)
+            m = m & mask.reshape(-1, *mask.shape[-2:]).any(0)
+        cov[t.q0:t.q1, t.k0:t.k1] += m.int()
+    return cov
+
+
+def test_the_planner_covers_every_attended_pair_exactly_once():
+    rng = random.Random(0)
+    for trial in range(200):
+        ring = rng.choice([1, 2, 3, 4])
+        seq_len = 4 * ring * rng.choice([2, 4, 6, 16])
+        lengths, left = [], seq_len
+        while left:
+            lengths.append(min(left, rng.choice([1, 2, 5, 13, 40, 100])))
+            left -= lengths[-1]
+        docs = _documents.documents_from_lengths(lengths)[0] if rng.random() < 0.8 else None
+        causal = rng.random() < 0.6
+        window = (rng.randint(0, 20), 0 if causal else rng.randint(0, 20)) if rng.random() < 0.5 else None
+        dense = torch.rand(seq_len, seq_len, generator=torch.Generator().manual_seed(trial)) < 0.7 \
+            if rng.random() < 0.2 else None
+        layout = Layout(ring, ring, rng.random() < 0.5)
+        for qr, kr in itertools.product(range(ring), repeat=2):
+            qp, kp = layout.ring_positions(seq_len, qr), layout.ring_positions(seq_len, kr)
+            tasks = _blocks.plan(qp, kp, docs, causal, window, dense)
+            want = _documents.visible(qp, kp, None if docs is None else docs[qp], None if docs is None else docs[kp],
+                                      causal, window)
+            if dense is not None:
+                want &= dense[qp][:, kp]
+            assert torch.equal(_coverage(tasks, len(qp), len(kp)), want.int()), (trial, lengths, causal, window)
+            assert all(t.mask is None or t.mask.shape[-1] * t.mask.shape[-2] <= _blocks.MAX_TILE ** 2 for t in tasks)
+
+
+def test_blocks_with_nothing_attended_call_no_kernel():
+    docs = _documents.documents_from_lengths([8, 8, 8, 8])[0]  # 4 documents, 2 per rank in order
+    layout = Layout(2, 2, False)
+    first, second = layout.ring_positions(32, 0), layout.ring_positions(32, 1)
+    assert _blocks.plan(first, second, docs, True, None) == []  # rank 0's queries never see rank 1's keys
+    assert _blocks.plan(second, first, docs, True, None) == []  # nor rank 1's rank 0's: other documents
+    diagonal = _blocks.plan(first, first, docs, True, None)
+    assert [(t.q0, t.q1, t.k0, t.k1, t.causal, t.mask) for t in diagonal] == [(0, 8, 0, 8, True, None),
+                                                                              (8, 16, 8, 16, True, None)]
+
+
+def test_document_helpers_read_like_transformers():
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    ids = cptune.documents_from_position_ids(pos)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2]]
+    assert torch.equal(cptune.documents_from_lengths([3, 2, 4]), ids)
+    assert torch.equal(cptune.documents_from_cu_seqlens([0, 3, 5, 9]), ids)
+    assert cptune.documents_from_eos(torch.tensor([5, 6, 2, 7, 2, 8]), 2).tolist() == [0, 0, 0, 1, 1, 2]
+    with pytest.raises(cptune.ValidationError, match="adds up to 8 tokens, not 9"):
+        cptune.documents_from_lengths([3, 5], seq_len=9)
+    with pytest.raises(cptune.ValidationError, match="window: is 16"):
+        _documents.check_window(16)
+
+
+def test_work_balancing_beats_head_tail_on_a_long_tailed_mix():
+    lengths = _documents.lengths_from_spec("longtail", 8192)
+    work = _documents.token_work(_documents.documents_from_lengths(lengths), 8192, True, None)
+    chunks = _documents.balanced_chunks(work, 2, 16)
+    assert sorted(c for owned in chunks for c in owned) == list(range(16)) and {len(c) for c in chunks} == {8}
+    assert _documents.imbalance(work, chunks, 16) < _documents.imbalance(work, _documents.head_tail_chunks(2), 4)
+    assert _documents.imbalance(work, chunks, 16) < 1.05
+
+
+def test_outside_a_block_the_same_call_is_single_device_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 24, 8) for _ in range(3))
+    docs = cptune.documents_from_lengths([[10, 14], [5, 19]])
+    mask = _documents.dense_mask(docs, (3, 0), True, 24)
+    got = cptune.scaled_dot_product_attention(q, k, v, is_causal=True, documents=docs, window=(3, 0))
+    assert max_err(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask)) < 1e-6
+
+
+# -- on ranks ---------------------------------------------------------------------------------
+
+CONFIGS = {  # name -> CPConfig fields (world size 4 for the hybrid)
+    "ring-allgather": {"rotate_method": "allgather"},
+    "ring-alltoall": {"rotate_method": "alltoall"},
+    "ulysses": {"strategy": "ulysses"},
+    "hybrid": {"strategy": "hybrid", "ulysses_degree": 2, "rotate_method": "alltoall"},
+}
+LAYOUTS = {  # document layouts, as lengths of a 48-token sequence (batch rows may differ)
+    "equal": [[12, 12, 12, 12]],
+    "spanning": [[30, 18]],  # a document across ranks
+    "tiny": [[1, 1, 3, 1, 20, 1, 21]],  # length-1 documents, shorter than a shard
+    "rows-differ": [[24, 24], [5, 40, 3]],
+}
+
+
+def _documents_case(config_name, layout_name, causal, lb, window, compiled=False, ac=False, heads=4, kv_heads=2):
+    """Output and q/k/v grads of one packed call vs single-device SDPA with the dense mask."""
+    torch.manual_seed(0)
+    lengths = LAYOUTS[layout_name]
+    batch, seq_len = len(lengths), 48
+    docs = cptune.documents_from_lengths(lengths)
+    gen = torch.Generator().manual_seed(7)
+    qkv = [torch.randn(batch, h, seq_len, 16, generator=gen) for h in (heads, kv_heads, kv_heads)]
+    grad = torch.randn(batch, heads, seq_len, 16, generator=gen)
+    mask = _documents.dense_mask(docs, window, causal, seq_len)
+    ref = [t.clone().requires_grad_() for t in qkv]
+    ref_out = F.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=kv_heads != heads)
+    (ref_out * grad).sum().backward()
+    leaves = [t.clone().requires_grad_() for t in qkv]
+    config = cptune.CPConfig(load_balance=lb if config_name != "ulysses" else "auto", **CONFIGS[config_name])
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
+
+    if ac:
+        from torch.utils.checkpoint import checkpoint
+
+        def run(q, k, v):
+            return checkpoint(attend, q, k, v, use_reentrant=False)
+    else:
+        run = attend
+    run = torch.compile(run) if compiled else run
+    g = grad.clone()
+    with cptune.context_parallel(buffers=[*leaves, g], seq_dims=[2] * 4, config=config, causal=causal,
+                                 documents=docs, window=window, no_restore=[g]) as cp:
+        out = run(*leaves)
+        (cp.cp_size * (out * g).sum()).backward()
+        full = cp.unshard(out, 2)
+    return {"out": max_err(full, ref_out), "grads": [max_err(a.grad, b.grad) for a, b in zip(leaves, ref)],
+            "lb": cp.load_balance}
+
+
+def _sweep(cases):
+    return [(case, _documents_case(*case)) for case in cases]
+
+
+EAGER = [(c, lay, causal, lb, window) for c in ("ring-allgather", "ring-alltoall", "ulysses")
+         for lay in LAYOUTS for causal, lb in ((True, True), (True, False), (False, False))
+         for window in (None, (5, 0) if causal else (4, 3))]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_packed_documents_and_windows_are_exact_everywhere(ranks, world):
+    cases = [c for c in EAGER if not (c[0] == "ulysses" and 4 % world)]  # Ulysses: heads divide by the world
+    if world == 4:
+        cases += [("hybrid", lay, True, lb, w) for lay in LAYOUTS for lb in (True, False) for w in (None, (5, 0))]
+    for per_rank in zip(*ranks(world).run(_sweep, cases)):
+        for case, r in per_rank:
+            assert r["out"] <= FP32_TOL and max(r["grads"]) <= FP32_TOL, (case, r)
+
+
+def test_packed_documents_under_compile_and_checkpointing(ranks):
+    cases = [(c, "rows-differ", True, True, w, compiled, ac) for c in ("ring-alltoall", "ulysses")
+             for w in (None, (5, 0)) for compiled, ac in ((True, False), (False, True), (True, True))]
+    for per_rank in zip(*ranks(2).run(_sweep, cases)):
+        for case, r in per_rank:
+            assert r["out"] <= FP32_TOL and max(r["grads"]) <= FP32_TOL, (case, r)
+
+
+def _dense_mask_case(config_name, dtype_name):
+    """A whole-sequence dense mask (bool and additive) under the ring: cut per block, exact."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(2, 4, 32, 8, generator=gen) for _ in range(4))
+    keep = torch.rand(32, 32, generator=gen) < 0.6
+    keep[:, 0] = True  # every query sees something
+    mask = keep if dtype_name == "bool" else torch.zeros(32, 32).masked_fill(~keep, float("-inf")) + \
+        torch.rand(32, 32, generator=gen)  # an additive bias, not only 0 / -inf
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*ref, attn_mask=mask)
+    (ref_out * grad).sum().backward()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with cptune.context_parallel(buffers=[*leaves, grad], seq_dims=[2] * 4, causal=False, no_restore=[grad],
+                                 config=cptune.CPConfig(**CONFIGS[config_name])) as cp:
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
+        (cp.cp_size * (out * grad).sum()).backward()
+        full = cp.unshard(out, 2)
+    return max([max_err(full, ref_out)] + [max_err(a.grad, b.grad) for a, b in zip(leaves, ref)])
+
+
+@pytest.mark.parametrize("config_name", ["ring-allgather", "ring-alltoall"])
+@pytest.mark.parametrize("dtype_name", ["bool", "additive"])
+def test_a_dense_mask_under_the_ring(ranks, config_name, dtype_name):
+    for err in ranks(2).run(_dense_mask_case, config_name, dtype_name):
+        assert err <= FP32_TOL
+
+
+def _balanced_case():
+    lengths = _documents.lengths_from_spec("longtail", 256)
+    docs = cptune.documents_from_lengths(lengths)
+    x = torch.randn(1, 2, 256, 8)
+    with cptune.context_parallel(buffers=[x], seq_dims=[2], documents=docs) as cp:
+        positions = cp._require().positions()
+    work = _documents.token_work(docs, 256, True, None)
+    per_rank = [float(work[p].sum()) for p in positions]
+    return max(per_rank) / (sum(per_rank) / len(per_rank)), dist.get_rank()
+
+
+def test_causal_load_balancing_deals_packed_work_evenly(ranks):
+    for imbalance, _ in ranks(2).run(_balanced_case):
+        assert imbalance < 1.1
+
+
+def _flex_case(compiled):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.randn(1, 2, 16, 8)
+    attend = torch.compile(flex_attention) if compiled else flex_attention
+    try:
+        with cptune.context_parallel(buffers=[q], seq_dims=[2]):
+            attend(q, q, q)
+    except cptune.ValidationError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_attention_inside_a_block_is_refused_not_run_on_a_shard(ranks, compiled):
+    for message in ranks(2).run(_flex_case, compiled):
+        assert message.startswith("cptune: flex_attention:") and "documents=" in message, message
+
+
+def _decorated_case():
+    """The decorator form reads each call's documents from an argument; cp = 1 applies them too."""
+    docs = cptune.documents_from_lengths([[6, 10], [16]])
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=_documents.dense_mask(docs, None, True, 16))
+
+    @cptune.context_parallel(seq_dims={"q": 2, "k": 2, "v": 2}, documents="ids")
+    def attend(q, k, v, ids):
+        return cptune.unshard(F.scaled_dot_product_attention(q, k, v, is_causal=True), 2)
+
+    single = cptune.context_parallel(buffers=[q, k, v], seq_dims=[2, 2, 2], documents=docs,
+                                     config=cptune.CPConfig(mesh_shape=(2, 1)))
+    with single:
+        alone = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return max_err(attend(q, k, v, docs), ref), max_err(alone, ref)
+
+
+def test_the_decorator_reads_documents_per_call_and_cp1_applies_them(ranks):
+    for sharded, alone in ranks(2).run(_decorated_case):
+        assert sharded <= FP32_TOL and alone <= FP32_TOL
