@@ -1,7 +1,8 @@
 """One SDPA call inside a block, run under the block's strategy: which ops, in which order.
 
 * ring (u = 1): PyTorch's ring (:mod:`cptune._ring`) for plain causal / full attention; cptune's
-  masked ring (:mod:`cptune._masked_ring`) when documents, a window or a dense mask apply;
+  masked ring (:mod:`cptune._masked_ring`) when documents, a window or a dense mask apply, and for
+  float64 (which it merges in float64, PyTorch's ring in float32);
 * Ulysses (u = cp): sequence shards become head shards (:mod:`cptune._ulysses`), then the whole
   sequence is attended on each rank's heads: plain SDPA (any mask, dropout, the math kernel), or
   the masked path with R = 1 for documents and windows;
@@ -77,7 +78,7 @@ def attend(s: _Session, query, key, value, attn_mask=None, dropout_p=0.0, is_cau
 
 def _ring_or_masked(s: _Session, q, k, v, attn_mask, is_causal, scale, docs, window, masked):
     backend = s.ring_backend(q.device.type, q.dtype)
-    if not masked and attn_mask is None:
+    if not masked and attn_mask is None and q.dtype != torch.float64:  # PyTorch's ring merges in float32
         return ring_attention(q, k, v, s.ring_group, backend, is_causal, scale, s.config.rotate_method,
                               s.plan.load_balance)
     mask = attn_mask

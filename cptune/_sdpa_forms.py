@@ -69,7 +69,7 @@ def _hf_problem() -> Problem:
 
 
 def _heads(t: torch.Tensor) -> int:
-    return t.shape[-3] if t.ndim >= 3 else 1
+    return t.shape[-3] if t.ndim >= 4 else 1  # (B, S, D) and (S, D): one head
 
 
 def prepare(query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: float, is_causal: bool,
@@ -80,6 +80,8 @@ def prepare(query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: floa
     ``masked``: documents or a window apply to this call; ``ulysses``: the Ulysses degree.
     """
     problems: list[Problem] = []
+    if not torch.compiler.is_compiling() and from_transformers():  # every rank comes here: all refuse, none hangs
+        problems.append(_hf_problem())
     if is_causal != causal:
         problems.append(Problem("is_causal", f"SDPA was called with is_causal={is_causal} but the CP block was "
                                 f"declared causal={causal}",
@@ -161,8 +163,6 @@ def prepare(query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: floa
     if attn_mask is not None:
         rows = full_len or s_q * ulysses  # the whole sequence's queries
         problems += _mask_problems(attn_mask, q, heads, lead, rows, s_k if local else rows)
-    if problems and from_transformers():
-        problems.insert(0, _hf_problem())
     if problems:
         return None, problems
     return _normalize(q, k, v, lead, hq, hk, hv, scale, local), []

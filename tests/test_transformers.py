@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cptune
+
 
 transformers = pytest.importorskip("transformers")
 
@@ -214,3 +216,19 @@ def _mistral_window_case(rotate):
 def test_a_sliding_window_model_matches_one_process(ranks, rotate):
     for r in ranks(2).run(_mistral_window_case, rotate):
         assert r["logits_err"] <= TOL and r["grad_err"] <= TOL and r["outside_err"] <= TOL, r
+
+
+def _not_enabled_case():
+    model = _llama()  # transformers' own SDPA attention: no cptune.hf.enable
+    ids, _, positions = _batch(0)
+    try:
+        with cptune.context_parallel(buffers=[ids, positions], seq_dims=[1, 1]):
+            model(input_ids=ids, position_ids=positions, use_cache=False)
+    except cptune.ValidationError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_model_not_prepared_by_hf_enable_is_refused_naming_it(ranks):
+    for message in ranks(2).run(_not_enabled_case):
+        assert "model: is a transformers model" in message and "cptune.hf.enable(model)" in message, message
