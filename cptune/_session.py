@@ -122,10 +122,11 @@ class _Session:
             self.window = _documents.check_window(window)
         except ValidationError as exc:
             problems += exc.problems
+        if (documents is not None or window is not None) and self.plan.seq_len is None:
+            return problems + [Problem("documents" if documents is not None else "window", "is given but no buffer "
+                                       "is sharded, so the block knows no sequence to apply it to",
+                                       "pass the sequence buffers too (buffers= / seq_dims=)")]
         if documents is not None:
-            if self.plan.seq_len is None:
-                return problems + [Problem("documents", "are given but no buffer is sharded",
-                                           "pass the sequence buffers too (buffers= / seq_dims=)")]
             found = _documents.document_problems(documents, self.plan.seq_len, None)
             if found:
                 return problems + found

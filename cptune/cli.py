@@ -96,6 +96,10 @@ def _init_torchrun() -> bool:
               help="Activation checkpointing per proxy layer, as the training run will use.")
 @click.option("--workload", "step", default=None, metavar="MODULE:FUNCTION",
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
+@click.option("--documents", default=None, metavar="SPEC",
+              help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
+@click.option("--window", type=int, default=None, metavar="N",
+              help="Causal sliding window: each token attends to N earlier tokens (4095 for sliding_window=4096).")
 @click.option("--nproc", type=int, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--memory-budget", default=None, help="Per-rank budget with its unit, e.g. 70GiB or 512MiB "
@@ -114,7 +118,8 @@ def _init_torchrun() -> bool:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, nproc, device,
+def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, documents, window,
+           nproc, device,
            memory_budget, memory_margin, storage,
            study_name, n_trials, timeout, trial_timeout, sampler, min_seconds, out, script, as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
@@ -137,7 +142,7 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
                           "8192,16384,32768") from None
     workload = Workload(seq_len=lengths[0] if lengths else 0, batch=batch, heads=heads, kv_heads=kv_heads,
                         head_dim=head_dim, dtype=dtype, causal=causal, layers=layers, compile=compile_, ac=ac,
-                        step=step)
+                        step=step, documents=documents, window=window)
     if step and "" not in sys.path:
         sys.path.insert(0, "")  # --workload modules are found from the current folder, like python -m
     is_rank0 = _init_torchrun()

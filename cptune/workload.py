@@ -7,8 +7,9 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from ._documents import documents_from_lengths, lengths_from_spec
 from .config import StrictModel
-from .errors import Problem, ProblemError
+from .errors import Problem, ProblemError, ValidationError
 
 DType = Literal["float32", "bfloat16", "float16"]
 AC = Literal["none", "full", "selective"]
@@ -34,6 +35,13 @@ class Workload(StrictModel):
     step: str | None = Field(None, json_schema_extra={
         "fix": "give --workload as 'module:function' naming an importable function"})
     """'module:function' building the user's step (see :func:`load_user_step`); None: the proxy."""
+    documents: str | None = Field(None, json_schema_extra={
+        "fix": "give --documents as a count of equal documents (16), 'longtail', or lengths adding up to --seq-len"})
+    """Packed documents per sequence: ``'16'`` (16 equal ones), ``'longtail'`` (a fixed long-tailed mix: a few long
+    documents, many short ones) or ``'1024,512,...'`` (lengths); None: one sequence, unpacked."""
+    window: int | None = Field(None, ge=0, json_schema_extra={
+        "fix": "give --window as how many earlier tokens each token attends to (4095 for sliding_window=4096)"})
+    """A causal sliding window: each token attends to this many earlier tokens besides itself; None: no window."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Workload:
@@ -45,16 +53,41 @@ class Workload(StrictModel):
         if self.step is not None and (":" not in self.step or self.step.count(":") != 1):
             raise ProblemError(Problem("step (--workload)", f"{self.step!r} is not 'module:function'",
                                        "name an importable function, e.g. examples.train_llama_cp:search_step"))
+        if self.documents is not None:
+            try:
+                lengths_from_spec(self.documents, self.seq_len)
+            except ValidationError as exc:
+                raise ProblemError(exc.problems[0]) from None
+        if self.window is not None and not self.causal:
+            raise ProblemError(Problem("window (--window)", "is set for non-causal attention",
+                                       "use --causal with --window (cptune's searches model causal windows)"))
         return self
 
+    _ADDED = ("documents", "window")  # fields after 0.1.0's studies: left out at their default
+
     def question(self) -> dict:
-        """This workload as a study's question (its name's hash and the resume check)."""
-        return self.model_dump(mode="json")
+        """This workload as a study's question (its name's hash and the resume check): fields added since
+        studies were first named are left out at their defaults, so those studies still resume."""
+        data = self.model_dump(mode="json")
+        return {k: v for k, v in data.items() if k not in self._ADDED or v is not None}
+
+    def document_ids(self) -> torch.Tensor | None:
+        """(1, S) document ids of the packed sequence, or None when unpacked."""
+        if self.documents is None:
+            return None
+        return documents_from_lengths(lengths_from_spec(self.documents, self.seq_len))
+
+    @property
+    def window_pair(self) -> tuple[int, int] | None:
+        """The window as ``context_parallel(window=...)`` takes it."""
+        return None if self.window is None else (self.window, 0)
 
     @property
     def predictable(self) -> bool:
-        """Whether the analytic memory model covers this step (the plain proxy: no user step, AC or compile)."""
-        return self.step is None and self.ac == "none" and not self.compile
+        """Whether the analytic memory model covers this step (the plain proxy: no user step, AC, compile,
+        documents or window)."""
+        return self.step is None and self.ac == "none" and not self.compile and self.documents is None \
+            and self.window is None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -71,4 +104,6 @@ class Workload(StrictModel):
         base = f"S={self.seq_len} B={self.batch} H={self.heads}{gqa} D={self.head_dim}{layers} {self.dtype} {kind}"
         base += " compiled" if self.compile else ""
         base += f" ac={self.ac}" if self.ac != "none" else ""
+        base += f" docs={self.documents}" if self.documents else ""
+        base += f" window={self.window}" if self.window is not None else ""
         return base + (f" step={self.step}" if self.step else "")

@@ -17,8 +17,10 @@ rank's tokens (``cptune.num_items_in_batch``), so with the same seed and global 
 step's loss equals the single-process run's (float32: within 1e-5; ``--losses-out`` writes
 them to compare).
 
-To tune on this model instead of the attention proxy:
-    cptune search --workload examples.train_llama_cp:search_step --seq-len 1024 --nproc 2
+Packed documents (``--documents 8``, or the recipe's): each sequence holds several documents,
+positions restart at each, no target crosses a boundary, and attention keeps to each document
+(``documents=`` in the block). To tune on this model instead of the attention proxy:
+    cptune search --workload examples.train_llama_cp:search_step --seq-len 1024 --nproc 2 [--documents 8]
 """
 
 from __future__ import annotations
@@ -126,11 +128,13 @@ def parallelize(model: Llama, ac: str, compile_blocks: bool, fsdp_mesh=None) -> 
     return model
 
 
-def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.device):
+def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.device,
+               documents: torch.Tensor | None = None):
     """Synthetic sequences with structure to learn: token t+1 = (token t * 3 + 1) % vocab, with noise.
 
     Returns input ids, next-token labels (shifted over the whole sequence, before any
-    sharding) and global positions.
+    sharding) and positions. With ``documents`` (ids per token, (1, S)), several documents are
+    packed in each sequence: positions restart at each one and its last token has no target.
     """
     gen = torch.Generator().manual_seed(1000 + step)
     tokens = [torch.randint(0, vocab, (batch, 1), generator=gen)]
@@ -140,7 +144,14 @@ def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.de
     noise = torch.rand(seq.shape, generator=gen) < 0.1
     seq = torch.where(noise, torch.randint(0, vocab, seq.shape, generator=gen), seq)
     positions = torch.arange(seq_len).expand(batch, seq_len)
-    return seq.to(device), cptune.shift_labels(seq).to(device), positions.to(device)
+    labels = cptune.shift_labels(seq)
+    if documents is not None:
+        starts = torch.ones(seq_len, dtype=torch.bool)
+        starts[1:] = documents[0, 1:] != documents[0, :-1]
+        first = torch.cummax(torch.where(starts, torch.arange(seq_len), 0), 0).values
+        positions = (torch.arange(seq_len) - first).expand(batch, seq_len)
+        labels[:, torch.cat([starts[1:], torch.tensor([True])])] = -100  # a document's last token: no target
+    return seq.to(device), labels.to(device), positions.contiguous().to(device)
 
 
 def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2):
@@ -149,7 +160,8 @@ def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2
     torch.manual_seed(0)
     model = Llama(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads,
                   dim=workload.heads * workload.head_dim, layers=layers).to(device)
-    input_ids, labels, positions = make_batch(0, workload.batch, workload.seq_len, 256, device)
+    input_ids, labels, positions = make_batch(0, workload.batch, workload.seq_len, 256, device,
+                                              workload.document_ids())  # the search passes the block the same
 
     def step(input_ids, labels, position_ids):
         model.zero_grad(set_to_none=True)
@@ -173,6 +185,8 @@ def main() -> None:
                         help="Activation checkpointing per block; selective keeps matmuls and the ring attention "
                              "(default: as the recipe was measured, else none)")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the flattened dp x cp mesh")
+    parser.add_argument("--documents", default=None, metavar="SPEC",
+                        help="Pack documents per sequence: 8 (equal), longtail, or lengths (default: the recipe's)")
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
@@ -194,6 +208,9 @@ def main() -> None:
         args.compile = bool(recipe and recipe.workload.compile)
     if args.ac is None:
         args.ac = recipe.workload.ac if recipe else "none"
+    if args.documents is None and recipe:
+        args.documents = recipe.workload.documents
+    documents = cptune.Workload(seq_len=seq_len, documents=args.documents).document_ids()
     dp, cp = config.resolve_mesh_shape(world)
     if args.batch is None:  # as measured: the recipe's batch per replica
         args.batch = dp * recipe.workload.batch if recipe else 2
@@ -211,17 +228,17 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     @cptune.context_parallel(seq_dims={"input_ids": 1, "labels": 1, "position_ids": 1}, recipe=recipe,
-                             mesh=mesh if cp > 1 else None)
-    def train_step(input_ids, labels, position_ids):
+                             mesh=mesh if cp > 1 else None, documents="documents")
+    def train_step(input_ids, labels, position_ids, documents=None):
         loss = loss_fn(model, input_ids, labels, position_ids)
         loss.backward()  # inside the CP step: checkpointed blocks recompute with the ring
         return loss.detach()
 
     losses = []
     for step in range(args.steps):
-        input_ids, labels, positions = make_batch(step, args.batch, seq_len, 256, device)
+        input_ids, labels, positions = make_batch(step, args.batch, seq_len, 256, device, documents)
         optimizer.zero_grad(set_to_none=True)
-        loss = train_step(input_ids[rows], labels[rows], positions[rows])
+        loss = train_step(input_ids[rows], labels[rows], positions[rows], documents)
         if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean
             dist.all_reduce(loss)
             if not args.fsdp:  # FSDP averages gradients itself; by hand: sum, then divide (gloo has no AVG)
@@ -234,7 +251,7 @@ def main() -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
     if rank == 0:
-        extras = f"compile={args.compile} ac={args.ac} fsdp={args.fsdp}"
+        extras = f"compile={args.compile} ac={args.ac} fsdp={args.fsdp} documents={args.documents}"
         print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, config: {config.label()}, {extras}")
         if args.losses_out:
             with open(args.losses_out, "w") as f:

@@ -47,10 +47,10 @@ def test_canonical_example_under_torchrun():
     assert len(errors) == 4 and max(errors) < 1e-5
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_example_with_compile_selective_ac_and_fsdp_matches_one_process(tmp_path, nproc):
+@pytest.mark.parametrize("nproc,documents", [(2, None), (4, "longtail")])
+def test_example_with_compile_selective_ac_and_fsdp_matches_one_process(tmp_path, nproc, documents):
     script = str(ROOT / "examples/train_llama_cp.py")
-    common = ["--seq-len", "256", "--steps", "2"]
+    common = ["--seq-len", "256", "--steps", "2", *(["--documents", documents] if documents else [])]
     run([sys.executable, script, *common, "--losses-out", "one.json"], tmp_path)
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *common,
          "--compile", "--ac", "selective", "--fsdp", "--losses-out", "cp.json"], tmp_path, timeout=600)

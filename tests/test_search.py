@@ -362,3 +362,24 @@ def test_cli_schedule_writes_one_recipe_per_length_and_shows_the_change(tmp_path
                                        "--storage", f"sqlite:///{tmp_path / 'c.db'}", "--out", str(tmp_path / "rep")])
     assert report.exit_code == 0 and "IQR" in report.output, report.output
     assert (tmp_path / "rep" / "report.png").stat().st_size > 1000
+
+
+def test_a_search_on_packed_documents_measures_packed_work_and_the_recipe_says_so(tmp_path):
+    from click.testing import CliRunner
+
+    from cptune.cli import main
+
+    out = tmp_path / "packed.yaml"
+    result = CliRunner().invoke(main, ["search", "--seq-len", "512", "--heads", "2", "--head-dim", "16",
+                                       "--documents", "longtail", "--window", "63", "--min-seconds", "0",
+                                       "--storage", f"sqlite:///{tmp_path / 'p.db'}", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    recipe = cptune.load_recipe(out)
+    assert recipe.workload.documents == "longtail" and recipe.workload.window == 63 and recipe.figures_apply
+    assert "docs=longtail window=63" in CliRunner().invoke(main, ["show", str(out)]).output
+    assert "-docslongtail-w63-" in recipe.provenance.study_name
+    # the plain workload's study name (and hash) are what they were before documents existed
+    assert Workload(seq_len=512).question() == {k: v for k, v in Workload(seq_len=512).model_dump(mode="json").items()
+                                                 if k not in ("documents", "window")}
+    with pytest.raises(cptune.ValidationError, match="--documents: 16 equal documents do not divide 500"):
+        Workload(seq_len=500, documents="16")

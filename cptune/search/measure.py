@@ -49,18 +49,24 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
     baseline = current_usage(device)
     reset_peak(device)
     cp = config.mesh_shape[1]
+    docs, window = workload.document_ids(), workload.window_pair
     if workload.step:
         step, buffers, seq_dims = build_user_step(workload, device)
         buffers, seq_dims = list(buffers), list(seq_dims)
 
         def run() -> None:
-            with context_parallel(buffers=buffers, seq_dims=seq_dims, config=config, causal=workload.causal):
+            with context_parallel(buffers=buffers, seq_dims=seq_dims, config=config, causal=workload.causal,
+                                  documents=docs, window=window):
                 step(*buffers)
     else:
         proxy = ProxyStep(workload, device, cp)
+        # packed or windowed: the sequence's positions as a buffer, so the block knows its length and layout
+        masked = docs is not None or window is not None
+        positions = [torch.arange(workload.seq_len, device=device).unsqueeze(0)] if masked else []
 
         def run() -> None:
-            with context_parallel(config=config, causal=workload.causal):
+            with context_parallel(buffers=positions or None, seq_dims=[1] if positions else None, config=config,
+                                  causal=workload.causal, documents=docs, window=window):
                 proxy()
 
     for i in range(settings.warmup):

@@ -98,7 +98,7 @@ def search(
     if any(not isinstance(n, int) or n < 1 for n in lengths):
         raise ValidationError([Problem("--seq-len", f"{lengths} holds a length that is not a positive integer",
                                        "give lengths like 8192 or 8192,16384,32768")])
-    workloads = [workload.model_copy(update={"seq_len": n}) for n in lengths]
+    workloads = [Workload(**{**workload.model_dump(), "seq_len": n}) for n in lengths]  # each length checked
     settings = settings or MeasureSettings()
     problems = _option_problems(n_trials, timeout, trial_timeout, memory_margin, nproc)
     if sampler not in ("auto", "grid", "tpe"):

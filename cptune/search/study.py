@@ -50,6 +50,8 @@ def default_study_name(workload: Workload, world_size: int, device_type: str, se
     step = f"-{workload.step.replace(':', '.')}" if workload.step else ""
     step += ("-compiled" if workload.compile else "") + (f"-ac{workload.ac}" if workload.ac != "none" else "")
     layers = f"-L{workload.layers}" if workload.layers != 1 else ""
+    layers += (f"-docs{workload.documents.replace(',', '_')[:24]}" if workload.documents else "") + \
+        (f"-w{workload.window}" if workload.window is not None else "")
     digest = hashlib.sha256(json.dumps(question(workload, settings, env), sort_keys=True).encode()).hexdigest()[:8]
     return (f"cptune-{device_type}{world_size}-S{workload.seq_len}-B{workload.batch}-H{workload.heads}{kv}"
             f"-D{workload.head_dim}{layers}-{workload.dtype}-{'causal' if workload.causal else 'full'}{step}-{digest}")
