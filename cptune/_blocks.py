@@ -63,7 +63,22 @@ def _bounds(i0: int, i1: int, causal: bool, window: Window | None) -> tuple[floa
     return i0 - left, i1 - 1 + right, i1 - 1 - left, i0 + right
 
 
-def _pair(q: tuple[int, ...], k: tuple[int, ...], causal: bool, window: Window | None, out: list[Task]) -> None:
+def _causal_square(a: int, b: int, k0: int, split: tuple[int, int] | None, out: list[Task]) -> None:
+    """Queries [a, b) against keys [k0, k0 + b - a), causal; cut in halves (two causal squares and the full
+    rectangle below the diagonal) while longer than ``split[0]`` and not past ``split[1]``: a kernel that
+    skips no work inside its own blocks below some length then does less."""
+    n = b - a
+    if split is None or not split[0] < n <= split[1]:
+        out.append(Task(a, b, k0, k0 + n, causal=True))
+        return
+    half = n // 2
+    _causal_square(a, a + half, k0, split, out)
+    out.append(Task(a + half, b, k0, k0 + half))
+    _causal_square(a + half, b, k0 + half, split, out)
+
+
+def _pair(q: tuple[int, ...], k: tuple[int, ...], causal: bool, window: Window | None, out: list[Task],
+          split: tuple[int, int] | None = None) -> None:
     """Tasks for one query run against one key run of the same document (see :func:`runs`)."""
     (qs, qe, qg, _), (ks, ke, kg, _) = q, k
     tile = qe - qs
@@ -82,7 +97,7 @@ def _pair(q: tuple[int, ...], k: tuple[int, ...], causal: bool, window: Window |
         elif causal and window is None and j1 == i1 - 1 and j0 <= i0:  # keys up to the diagonal
             if j0 < i0:
                 out.append(Task(a, b, k0, ks + i0 - kg))
-            out.append(Task(a, b, ks + i0 - kg, k1, causal=True))
+            _causal_square(a, b, ks + i0 - kg, split, out)
         else:
             _masked(a, b, i0, k0, k1, ks, kg, causal, window, out)
 
@@ -101,11 +116,12 @@ def _masked(a: int, b: int, i0: int, k0: int, k1: int, ks: int, kg: int, causal:
 
 
 def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, docs: torch.Tensor | None, causal: bool,
-         window: Window | None, dense: torch.Tensor | None = None) -> list[Task]:
+         window: Window | None, dense: torch.Tensor | None = None, split: tuple[int, int] | None = None) -> list[Task]:
     """Every kernel call the pair (queries at ``q_pos``, keys at ``k_pos``) needs, for one row group.
 
     ``docs``: (S,) document ids of the rows (None: one document); ``dense``: the caller's bool
-    mask for the whole sequence, (..., S, S), applied on top (tasks it fully masks are dropped).
+    mask for the whole sequence, (..., S, S), applied on top (tasks it fully masks are dropped);
+    ``split``: the causal square lengths to cut in halves (see :func:`_causal_square`).
     """
     tasks: list[Task] = []
     by_doc: dict[int, list[tuple[int, ...]]] = {}
@@ -113,7 +129,7 @@ def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, docs: torch.Tensor | None, ca
         by_doc.setdefault(k[3], []).append(k)
     for q in runs(q_pos, docs):
         for k in by_doc.get(q[3], ()):
-            _pair(q, k, causal, window, tasks)
+            _pair(q, k, causal, window, tasks, split)
     return tasks if dense is None else _with_dense(tasks, q_pos, k_pos, dense)
 
 

@@ -183,6 +183,13 @@ def ring_backend(device_type: str, backend: str) -> RingBackend:
 # --------------------------------------------------------------------------------------
 
 
+CAUSAL_SPLIT = {"cpu": (256, 2048)}
+"""Causal squares a device's kernel runs faster cut in halves: on CPU, the flash kernel skips no work
+inside its blocks below about 512 tokens (a causal 512 x 512 call costs a full one), so squares of
+257-2048 tokens are cut down to 256 (measured in torch 2.13: 30 % less time at 512, 25 % at 1024, 7 % at
+2048; at 4096 a whole call is faster)."""
+
+
 def accumulator(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results merge in: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -263,6 +270,7 @@ def block_backward(backend: str, grad_out: torch.Tensor, q: torch.Tensor, k: tor
             grad_out, q, k, v, out, lse.to(accumulator(q.dtype)), 0.0, causal, attn_mask=bias, scale=scale)[:3]
     if mask is not None:
         return _math_backward(grad_out, q, k, v, out, lse, causal, mask, scale)
+    grad_out, out = grad_out.contiguous(), out.contiguous()
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     if backend == "efficient":
         padded = torch.nn.functional.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own padded length

@@ -28,18 +28,19 @@ import torch.distributed as dist
 
 from . import _hooks, _torch_cp
 from ._blocks import Task, plan, row_groups
-from ._kernels import accumulator, block_backward, block_forward, expand_kv, fold_kv_grads
+from ._kernels import CAUSAL_SPLIT, accumulator, block_backward, block_forward, expand_kv, fold_kv_grads
 from ._ring import own, register_attention_autograd
 
 
-def _plans(positions, docs, ring_rank, causal, window, dense, batch):
+def _plans(positions, docs, ring_rank, causal, window, dense, batch, device_type):
     """[source ring rank] -> [(batch rows, tasks)] for this rank's queries, row groups with no task left out."""
     out = []
+    split = CAUSAL_SPLIT.get(device_type)
     for src in range(positions.shape[0]):
         per = []
         for rows, ids in row_groups(docs, batch):
             cut = dense[rows] if dense is not None and dense.ndim == 4 and dense.shape[0] > 1 else dense
-            tasks = plan(positions[ring_rank], positions[src], ids, causal, window, cut)
+            tasks = plan(positions[ring_rank], positions[src], ids, causal, window, cut, split)
             if tasks:
                 per.append((rows if len(rows) < batch else slice(None), tasks))
         out.append(per)
@@ -47,19 +48,27 @@ def _plans(positions, docs, ring_rank, causal, window, dense, batch):
 
 
 def _task_inputs(q, k, v, rows, t: Task):
+    """The task's slices (views on CPU, whose kernel takes strided inputs) and its mask on the device."""
     qt = q[rows, :, t.q0:t.q1]
     kt, vt = expand_kv(qt, k[rows, :, t.k0:t.k1], v[rows, :, t.k0:t.k1])
     mask = t.mask.to(q.device) if t.mask is not None else None
-    return qt.contiguous(), kt.contiguous(), vt.contiguous(), mask
+    if q.device.type != "cpu":
+        qt, kt, vt = qt.contiguous(), kt.contiguous(), vt.contiguous()
+    return qt, kt, vt, mask
 
 
-def _forward_block(q, k, v, src_plans, backend, scale, out, lse):
-    """Run every task against one key/value block and merge it into ``out`` and ``lse`` by log-sum-exp."""
+def _forward_block(q, k, v, src_plans, backend, scale, out, lse, seen):
+    """Run every task against one key/value block and merge it into ``out`` and ``lse`` by log-sum-exp
+    (``seen``: (B, Lq) bool on the CPU, the rows some task wrote already; the first write is a copy)."""
     for rows, tasks in src_plans:
         for t in tasks:
             qt, kt, vt, mask = _task_inputs(q, k, v, rows, t)
             o, part = block_forward(backend, qt, kt, vt, t.causal, mask, scale)
             index = (rows, slice(None), slice(t.q0, t.q1))
+            if not bool(seen[rows, t.q0:t.q1].any()):
+                seen[rows, t.q0:t.q1] = True
+                out[index], lse[index] = o, part
+                continue
             old = lse[index]
             new = torch.logaddexp(old, part)
             ref = new.masked_fill(torch.isinf(new) & (new < 0), 0.0)  # rows nothing attends yet stay 0
@@ -68,42 +77,42 @@ def _forward_block(q, k, v, src_plans, backend, scale, out, lse):
             lse[index] = new
 
 
-def _backward_block(grad, q, k, v, out, lse, src_plans, backend, scale, dq, dk, dv):
-    """Add every task's gradients against one key/value block into ``dq`` and that block's ``dk``, ``dv``."""
+def _backward_block(grad, q, k, v, out, lse, src_plans, backend, scale, dq, dk, dv, seen):
+    """Add every task's gradients against one key/value block into ``dq`` and that block's ``dk``, ``dv``
+    (``seen``: the rows of ``dq`` written already, as in :func:`_forward_block`)."""
     for rows, tasks in src_plans:
         for t in tasks:
             qt, kt, vt, mask = _task_inputs(q, k, v, rows, t)
             index = (rows, slice(None), slice(t.q0, t.q1))
-            a, b, c = block_backward(backend, grad[index].contiguous(), qt, kt, vt, out[index].contiguous(),
-                                     lse[index].contiguous(), t.causal, mask, scale)
+            a, b, c = block_backward(backend, grad[index], qt, kt, vt, out[index], lse[index].contiguous(),
+                                     t.causal, mask, scale)
             b, c = fold_kv_grads(b, c, k.shape[1])
             kindex = (rows, slice(None), slice(t.k0, t.k1))
-            dq[index] += a.to(dq.dtype)
+            if bool(seen[rows, t.q0:t.q1].any()):
+                dq[index] += a.to(dq.dtype)
+            else:
+                seen[rows, t.q0:t.q1] = True
+                dq[index] = a
             dk[kindex] += b.to(dk.dtype)
             dv[kindex] += c.to(dv.dtype)
 
 
-def _shift(tensors: list[torch.Tensor], group, ring_rank: int, ring: int, tag: int) -> tuple[list, torch.Tensor]:
-    """Start sending ``tensors`` (flattened into one buffer) to the next ring rank and receiving the previous one's."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    recv = torch.empty_like(flat)
+def _shift(tensors: list[torch.Tensor], group, ring_rank: int, ring: int, tag: int) -> tuple[list, list]:
+    """Start sending ``tensors`` to the next ring rank and receiving the previous one's (one message each)."""
     nxt = dist.get_global_rank(group, (ring_rank + 1) % ring)
     prv = dist.get_global_rank(group, (ring_rank - 1) % ring)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, nxt, group=group, tag=tag),
-                                   dist.P2POp(dist.irecv, recv, prv, group=group, tag=tag)])
-    return reqs, recv
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group=group, tag=tag + i) for i, t in enumerate(tensors)]
+    ops += [dist.P2POp(dist.irecv, r, prv, group=group, tag=tag + i) for i, r in enumerate(recv)]
+    return dist.batch_isend_irecv(ops), recv
 
 
-def _arrived(pending: tuple[list, torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Wait for a :func:`_shift` and unpack what came in, shaped like ``like``."""
-    reqs, flat = pending
+def _arrived(pending: tuple[list, list]) -> list[torch.Tensor]:
+    """Wait for a :func:`_shift`; what came in."""
+    reqs, recv = pending
     for r in reqs:
         r.wait()
-    out, i = [], 0
-    for t in like:
-        out.append(flat[i:i + t.numel()].view(t.shape))
-        i += t.numel()
-    return out
+    return recv
 
 
 def _gather(t: torch.Tensor, group, ring: int) -> torch.Tensor:
@@ -122,7 +131,7 @@ def _setup(q, k, v, positions, doc_ids, mask, window_left, window_right, group_n
     ring = positions.shape[0]
     window = None if window_left < 0 else (window_left, window_right)
     plans = _plans(positions.cpu(), doc_ids.cpu() if doc_ids is not None else None, ring_rank, is_causal, window,
-                   mask.cpu() if mask is not None else None, q.shape[0])
+                   mask.cpu() if mask is not None else None, q.shape[0], q.device.type)
     return group, ring, plans
 
 
@@ -136,19 +145,20 @@ def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     s, acc = _scale(q, scale), accumulator(q.dtype)
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    seen = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
     if ring == 1:
-        _forward_block(q, k, v, plans[0], backend, s, out, lse)
+        _forward_block(q, k, v, plans[0], backend, s, out, lse, seen)
     elif rotate_method == "allgather":
         ks, vs = _gather(k, group, ring), _gather(v, group, ring)
         for src in range(ring):
-            _forward_block(q, ks[src], vs[src], plans[src], backend, s, out, lse)
+            _forward_block(q, ks[src], vs[src], plans[src], backend, s, out, lse, seen)
     else:
         cur = [k.contiguous(), v.contiguous()]
         for step in range(ring):  # the next block travels while this one's kernels run
-            pending = _shift(cur, group, ring_rank, ring, tag=1) if step < ring - 1 else None
-            _forward_block(q, cur[0], cur[1], plans[(ring_rank - step) % ring], backend, s, out, lse)
+            pending = _shift(cur, group, ring_rank, ring, tag=10) if step < ring - 1 else None
+            _forward_block(q, cur[0], cur[1], plans[(ring_rank - step) % ring], backend, s, out, lse, seen)
             if pending is not None:
-                cur = _arrived(pending, cur)
+                cur = _arrived(pending)
     _hooks.notify_forward()
     return own(out.to(q.dtype)), own(lse)
 
@@ -171,19 +181,21 @@ def _block_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: tor
     s, acc = _scale(q, scale), accumulator(q.dtype)
     lse = lse.masked_fill(torch.isinf(lse) & (lse < 0), float("inf"))  # rows that attend to nothing: no gradient
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    seen = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
 
     def zeros():
         return torch.zeros(k.shape, dtype=acc, device=q.device), torch.zeros(v.shape, dtype=acc, device=q.device)
 
     if ring == 1:
         dk, dv = zeros()
-        _backward_block(grad_out, q, k, v, out, lse, plans[0], backend, s, dq, dk, dv)
+        _backward_block(grad_out, q, k, v, out, lse, plans[0], backend, s, dq, dk, dv, seen)
     elif rotate_method == "allgather":
         ks, vs = _gather(k, group, ring), _gather(v, group, ring)
         dks = torch.zeros(ks.shape, dtype=acc, device=q.device)
         dvs = torch.zeros(vs.shape, dtype=acc, device=q.device)
         for src in range(ring):
-            _backward_block(grad_out, q, ks[src], vs[src], out, lse, plans[src], backend, s, dq, dks[src], dvs[src])
+            _backward_block(grad_out, q, ks[src], vs[src], out, lse, plans[src], backend, s, dq, dks[src], dvs[src],
+                            seen)
         both = torch.stack([dks, dvs], 1)  # [owner] -> its key and value gradients from this rank
         back = torch.empty_like(both)
         dist.all_to_all_single(back, both, group=group)  # back[j]: my block's gradients from rank j
@@ -191,12 +203,12 @@ def _block_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: tor
     else:
         kv, grads = [k.contiguous(), v.contiguous()], list(zeros())
         for step in range(ring):  # a block's gradients travel with it and reach its owner after a full turn
-            pending = _shift(kv, group, ring_rank, ring, tag=1) if step < ring - 1 else None
+            pending = _shift(kv, group, ring_rank, ring, tag=10) if step < ring - 1 else None
             _backward_block(grad_out, q, kv[0], kv[1], out, lse, plans[(ring_rank - step) % ring], backend, s, dq,
-                            grads[0], grads[1])
-            grads = _arrived(_shift(grads, group, ring_rank, ring, tag=2), grads)
+                            grads[0], grads[1], seen)
+            grads = _arrived(_shift(grads, group, ring_rank, ring, tag=20))
             if pending is not None:
-                kv = _arrived(pending, kv)
+                kv = _arrived(pending)
         dk, dv = grads
     return own(dq.to(q.dtype)), own(dk.to(k.dtype)), own(dv.to(v.dtype))
 
