@@ -1,7 +1,7 @@
 """Packed documents on real ranks: what a packed step costs against the unpacked causal step, and balance.
 
-    python -m benchmarks.documents                  # S = 32768 and 65536 on 2 gloo ranks (~25 min on 2 cores)
-    python -m benchmarks.documents --quick          # S = 8192 and 16384, for a look (~3 min)
+    python -m benchmarks.documents                  # S = 32768 and 65536 on 2 gloo ranks (~5 min on 2 cores)
+    python -m benchmarks.documents --quick          # S = 8192 and 16384, for a look (~1 min)
     python -m benchmarks.documents --update-readme  # also rewrite README.md's documents section
 
 Each workload is one causal attention layer, forward + backward (the search's proxy step, H=4,

@@ -18,6 +18,10 @@ Main API:
 - :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
 """
 
+from . import _deps
+
+_deps.check()  # a dependency older than cptune's floor: one clear ImportError, not an AttributeError mid-search
+
 from ._documents import documents_from_cu_seqlens, documents_from_eos, documents_from_lengths, \
     documents_from_position_ids
 from ._attention import RING_ATTENTION_OPS

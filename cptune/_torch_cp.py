@@ -31,9 +31,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ._deps import FLOORS, version_tuple
 from .errors import CPTuneError
 
-MIN_TORCH = (2, 7)
+MIN_TORCH = version_tuple(FLOORS["torch"])[:2]
 """The oldest torch whose ring functions have the signatures used here."""
 
 _CANDIDATE_MODULES = (
@@ -49,8 +50,7 @@ _REQUIRED = (
 
 
 def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+    return version_tuple(torch.__version__)[:2]
 
 
 def _find_cp_module() -> Any | None:

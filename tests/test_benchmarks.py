@@ -124,3 +124,20 @@ def test_strategy_benchmark_runs_side_by_side(ranks):
     assert all(v > 0 for v in row["speed"].values())
     lines = summary_lines(results)
     assert any(line.startswith("| 2 | S=2048") for line in lines) and any("| 2 | ulysses |" in line for line in lines)
+
+
+def test_documents_benchmark_figures_follow_from_the_layouts():
+    from benchmarks import documents
+
+    assert abs(documents.ideal(4096, "16") - 1 / 16) < 1e-3  # 16 equal documents: a sixteenth of the pairs
+    balance = documents.imbalances(8192, "longtail")
+    assert balance["balanced"] < balance["head_tail"] and balance["balanced"] < 1.05
+    row = {"seq_len": 4096, "documents": "16", "ideal": 0.0625, "time_ratio": 0.1, "memory_ratio": 0.5,
+           "head_tail": 1.0, "balanced": 1.0}
+    results = {"command": "python -m benchmarks.documents", "machine": "m", "date": "d", "total_seconds": 60,
+               "rows": [row], "strategies": [{"seq_len": 4096, "documents": "16",
+                                              "speed": {n: 1.0 for n in documents.STRATEGY_CONFIGS}}],
+               "dense": {"seq_len": 4096, "documents": "16", "dense_mask": {"seconds": 2.0, "peak_rise": 2**30},
+                         "documents_kw": {"seconds": 0.1, "peak_rise": 0}}}
+    text = "\n".join(documents.summary_lines(results))
+    assert "| 4096 | 16 | 0.062 | 0.100 | yes | 0.50 |" in text and "(20.0x faster)" in text

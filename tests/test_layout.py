@@ -81,3 +81,12 @@ def test_texts_follow_their_constants():
 
     assert f"within {racing.INDIFFERENCE:.0%} after paired race rounds" in SearchResult.LEGEND
     assert f"within {racing.MEMORY_TIE:.0%} counts as equal" in racing.TIE_RULE
+
+
+def test_dependency_floors_agree_with_pyproject():
+    from cptune._deps import FLOORS, version_tuple
+
+    block = re.search(r"^dependencies = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    stated = {name.lower(): version_tuple(floor) for name, floor in re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)"', block)}
+    assert stated == {name: version_tuple(v) for name, v in FLOORS.items()}, \
+        "pyproject.toml and cptune/_deps.py state different floors"
