@@ -97,14 +97,19 @@ def _backward_block(grad, q, k, v, out, lse, src_plans, backend, scale, dq, dk, 
             dv[kindex] += c.to(dv.dtype)
 
 
-def _shift(tensors: list[torch.Tensor], group, ring_rank: int, ring: int, tag: int) -> tuple[list, list]:
-    """Start sending ``tensors`` to the next ring rank and receiving the previous one's (one message each)."""
-    nxt = dist.get_global_rank(group, (ring_rank + 1) % ring)
-    prv = dist.get_global_rank(group, (ring_rank - 1) % ring)
-    recv = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group=group, tag=tag + i) for i, t in enumerate(tensors)]
-    ops += [dist.P2POp(dist.irecv, r, prv, group=group, tag=tag + i) for i, r in enumerate(recv)]
-    return dist.batch_isend_irecv(ops), recv
+def _shift(tensors: list[torch.Tensor], group, ring_rank: int, ring: int) -> tuple[list, list]:
+    """Start sending ``tensors`` to the next ring rank and receiving the previous one's: an all-to-all with
+    one non-empty split each way, as PyTorch's alltoall rotation does (gloo carries it for CUDA tensors too)."""
+    nxt, prv = (ring_rank + 1) % ring, (ring_rank - 1) % ring
+    works, recv = [], []
+    for t in tensors:
+        flat = t.contiguous().view(-1)
+        into = torch.empty_like(flat)
+        sends = [flat.numel() if j == nxt else 0 for j in range(ring)]
+        gets = [flat.numel() if j == prv else 0 for j in range(ring)]
+        works.append(dist.all_to_all_single(into, flat, gets, sends, group=group, async_op=True))
+        recv.append(into.view(t.shape))
+    return works, recv
 
 
 def _arrived(pending: tuple[list, list]) -> list[torch.Tensor]:
@@ -155,7 +160,7 @@ def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     else:
         cur = [k.contiguous(), v.contiguous()]
         for step in range(ring):  # the next block travels while this one's kernels run
-            pending = _shift(cur, group, ring_rank, ring, tag=10) if step < ring - 1 else None
+            pending = _shift(cur, group, ring_rank, ring) if step < ring - 1 else None
             _forward_block(q, cur[0], cur[1], plans[(ring_rank - step) % ring], backend, s, out, lse, seen)
             if pending is not None:
                 cur = _arrived(pending)
@@ -203,10 +208,10 @@ def _block_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: tor
     else:
         kv, grads = [k.contiguous(), v.contiguous()], list(zeros())
         for step in range(ring):  # a block's gradients travel with it and reach its owner after a full turn
-            pending = _shift(kv, group, ring_rank, ring, tag=10) if step < ring - 1 else None
+            pending = _shift(kv, group, ring_rank, ring) if step < ring - 1 else None
             _backward_block(grad_out, q, kv[0], kv[1], out, lse, plans[(ring_rank - step) % ring], backend, s, dq,
                             grads[0], grads[1], seen)
-            grads = _arrived(_shift(grads, group, ring_rank, ring, tag=20))
+            grads = _arrived(_shift(grads, group, ring_rank, ring))
             if pending is not None:
                 kv = _arrived(pending)
         dk, dv = grads

@@ -24,6 +24,7 @@ of the wrong shape, dropout outside Ulysses' plain path).
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -50,6 +51,18 @@ class Prepared:
     def restore(self, out: torch.Tensor) -> torch.Tensor:
         out = out[..., :self.value_dim] if out.shape[-1] != self.value_dim else out
         return out.reshape(*self.lead, out.shape[-2], self.value_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def mask_with_causal() -> bool:
+    """Whether this torch's SDPA takes ``attn_mask`` together with ``is_causal=True`` (2.13 combines them;
+    2.15 refuses): a block does what plain SDPA does."""
+    x = torch.zeros(1, 1, 2, 1)
+    try:
+        torch.ops.aten.scaled_dot_product_attention.default(x, x, x, torch.ones(2, 2, dtype=torch.bool), 0.0, True)
+    except RuntimeError:
+        return False
+    return True
 
 
 def from_transformers() -> bool:
@@ -160,6 +173,9 @@ def prepare(query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: floa
         problems.append(Problem("dropout_p", f"dropout_p={dropout_p} is not supported {what}",
                                 "use dropout_p=0.0 inside the CP block (e.g. attention dropout 0 or model.eval())"
                                 + ("" if masked else ", or strategy='ulysses'")))
+    if attn_mask is not None and is_causal and not mask_with_causal():
+        problems.append(Problem("attn_mask", "is given with is_causal=True, which this torch's SDPA refuses too",
+                                "fold causality into attn_mask and pass is_causal=False, or drop attn_mask"))
     if attn_mask is not None:
         rows = full_len or s_q * ulysses  # the whole sequence's queries
         problems += _mask_problems(attn_mask, q, heads, lead, rows, s_k if local else rows)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -116,16 +117,33 @@ def global_options() -> tuple[Any, bool] | None:
     return (_cp._cp_options.rotate_method, _cp._cp_options.enable_load_balance)
 
 
+class _OneGroupMesh:
+    """What an older ring function reads of a 1-D device mesh (torch 2.7's backward takes ``mesh``)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def get_group(self) -> dist.ProcessGroup:
+        return self._group
+
+
+def _group_argument(fn: Callable[..., Any], group: dist.ProcessGroup) -> Any:
+    """The group as ``fn`` takes it: itself (its first parameter is ``group``), or as a one-group mesh."""
+    first = next(iter(inspect.signature(fn).parameters), "group")
+    return _OneGroupMesh(group) if first == "mesh" else group
+
+
 def templated_ring_forward(group: dist.ProcessGroup, op: Callable[..., Any], **kwargs: Any) -> Any:
     """torch's ring forward over ``op`` (q, k, v by keyword; sequence dim 2)."""
-    return require_cp()._templated_ring_attention(group, 2, op, **kwargs)
+    fn = require_cp()._templated_ring_attention
+    return fn(_group_argument(fn, group), 2, op, **kwargs)
 
 
 def templated_ring_backward(group: dist.ProcessGroup, op: Callable[..., Any], grad_out: torch.Tensor,
                             grad_out_name: str, **kwargs: Any) -> Any:
     """torch's ring backward over ``op``: (dq, dk, dv, ...)."""
-    return require_cp()._templated_ring_attention_backward(group, 2, op, grad_out=grad_out,
-                                                          grad_out_name=grad_out_name, **kwargs)
+    fn = require_cp()._templated_ring_attention_backward
+    return fn(_group_argument(fn, group), 2, op, grad_out=grad_out, grad_out_name=grad_out_name, **kwargs)
 
 
 def resolve_group(name: str) -> dist.ProcessGroup:

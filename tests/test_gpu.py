@@ -117,3 +117,42 @@ def test_ring_through_one_rank_group_on_one_gpu(dtype):
         assert r["out_err"] <= 2 * r["single_out_err"] + 1e-6, r
         for cp_err, single in zip(r["grad_errs"], r["single_grad_errs"]):
             assert cp_err <= 2 * single + 1e-5, r
+
+
+def _documents_cuda_case(backend, dtype_name, window=None, **strategy):
+    """Packed documents (and a window) on CUDA: cptune's masked ring against plain SDPA with the dense mask."""
+    import os
+
+    os.environ["LOCAL_RANK"] = "0"
+    torch.cuda.set_device(0)
+    from cptune import _documents
+
+    dtype, device = getattr(torch, dtype_name), torch.device("cuda", 0)
+    docs = cptune.documents_from_lengths(_documents.lengths_from_spec("longtail", 8192))
+    gen = torch.Generator(device=device).manual_seed(0)
+    qkv = [torch.randn(1, h, 8192, 64, device=device, dtype=dtype, generator=gen, requires_grad=True)
+           for h in (8, 2, 2)]
+    mask = _documents.dense_mask(docs, window, True, 8192, device)
+    ref = [t.detach().float().requires_grad_() for t in qkv]
+    expected = F.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=True)
+    expected.square().sum().backward()
+    low = [t.detach().clone().requires_grad_() for t in qkv]
+    F.scaled_dot_product_attention(*low, attn_mask=mask, enable_gqa=True).float().square().sum().backward()
+    strategy.setdefault("rotate_method", "alltoall")  # gloo ranks sharing one GPU: no all-gather of CUDA tensors
+    config = cptune.CPConfig(sdpa_backend=backend, **strategy)
+    with cptune.context_parallel(buffers=qkv, seq_dims=[2, 2, 2], config=config, documents=docs, window=window) as cp:
+        out = F.scaled_dot_product_attention(*qkv, is_causal=True, enable_gqa=True)
+    (cp.cp_size * out.float().square().sum()).backward()
+    return {"out": max_err(cp.unshard(out, 2), expected), "grads": [max_err(t.grad, r.grad) for t, r in zip(qkv, ref)],
+            "single_grads": [max_err(t.grad, r.grad) for t, r in zip(low, ref)],
+            "scale": max(r.grad.abs().max().item() for r in ref)}
+
+
+@pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn"])
+@pytest.mark.parametrize("window", [None, (1023, 0)])
+def test_packed_documents_on_one_gpu(backend, window):
+    """The masked ring's CUDA kernels (unmasked blocks: the backend; window edges: the math formula), bf16."""
+    if pick_backend([backend], "cuda", torch.bfloat16, ring=True)[0] is None:
+        pytest.skip(f"{backend} not available here")
+    with WorkerGroup(2, device="cpu", timeout=300) as group:
+        _assert_close(group.run(_documents_cuda_case, backend, "bfloat16", window))
