@@ -7,12 +7,14 @@ Main API:
   every SDPA call inside as context-parallel attention over the CP ranks.
 - :func:`unshard`: the full tensors back, in original order.
 - :func:`shift_labels` / :func:`num_items_in_batch`: next-token labels shifted before sharding,
-  and the loss divisor that makes a summed loss the exact single-device mean.
+  and the loss divisor that makes a summed loss the exact single-device mean;
+  :func:`packed_labels_and_positions` for packed documents.
 - :data:`RING_ATTENTION_OPS` / :data:`ULYSSES_OPS`: the ring attention ops and Ulysses' all-to-alls,
   for selective activation checkpointing policies.
 - :func:`scaled_dot_product_attention` and ``documents_from_*``: packed documents and sliding
   windows (``context_parallel(documents=..., window=...)``), at the cost of the attended pairs.
-- ``cptune.hf.enable(model)``: transformers models under CP (optional module).
+- ``cptune.hf.enable(model)``: transformers models under CP; ``cptune.models``: a transformers model from
+  its config, prepared for training (AC, compile, FSDP2) as ``cptune search --model`` measures it.
 - :func:`search`: measure configurations on real ranks, return the fastest that fits in memory.
 - :func:`load_recipe` / :class:`Recipe`: the search's result as a torchrun recipe file.
 - :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
@@ -25,7 +27,7 @@ _deps.check()  # a dependency older than cptune's floor: one clear ImportError, 
 from ._documents import documents_from_cu_seqlens, documents_from_eos, documents_from_lengths, \
     documents_from_position_ids
 from ._attention import RING_ATTENTION_OPS
-from ._loss import shift_labels
+from ._loss import packed_labels_and_positions, shift_labels
 from ._ulysses import ULYSSES_OPS
 from ._version import __version__  # noqa: F401
 from .config import CPConfig
@@ -54,6 +56,7 @@ __all__ = [
     "documents_from_position_ids",
     "load_recipe",
     "num_items_in_batch",
+    "packed_labels_and_positions",
     "replica_rows",
     "save_recipe",
     "scaled_dot_product_attention",

@@ -17,6 +17,13 @@ import torch
 from ._version import __version__
 
 
+def total_device_memory(device_type: str) -> int:
+    """One GPU's memory, or this machine's RAM."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def device_name(device_type: str) -> str:
     """The GPU's name, or the CPU model: what figures were measured on."""
     if device_type == "cuda" and torch.cuda.is_available():

@@ -48,3 +48,21 @@ def count_items(labels: torch.Tensor, groups: list[dist.ProcessGroup], ranks: in
         raise CPTuneError(f"num_items_in_batch: every label is ignore_index ({ignore_index}) on every rank; "
                           "there is no token to take a loss over. Fix: check the labels (or ignore_index)")
     return count / ranks
+
+
+def packed_labels_and_positions(input_ids: torch.Tensor, documents: torch.Tensor | None = None,
+                                ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token labels and position ids of (B, S) token ids, before sharding. With ``documents`` ((B, S)
+    or (1, S) ids of packed documents), positions restart at each document and a document's last token
+    has no target, so no loss crosses a boundary; without it, one document per row."""
+    b, s = input_ids.shape
+    labels = shift_labels(input_ids, ignore_index)
+    index = torch.arange(s, device=input_ids.device)
+    if documents is None:
+        return labels, index.expand(b, s).contiguous()
+    ids = documents.to(input_ids.device).expand(b, s)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    ends = torch.cat([starts[:, 1:], torch.ones_like(starts[:, :1])], dim=1)
+    return labels.masked_fill(ends, ignore_index), (index - first).contiguous()

@@ -34,6 +34,14 @@ def default_backends() -> tuple[str, ...]:
     return tuple(names[i] for i in _torch_cp.sdp_priority_order() if i in names)
 
 
+def world_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh over every rank (FSDP2 over the flattened dp x cp ranks), built once per process group."""
+    key = (device_type, "world", id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_cp",))
+    return _MESHES[key]
+
+
 def active() -> _Session | None:
     """The open session (the innermost block), or None outside every block."""
     return _ACTIVE[-1] if _ACTIVE else None

@@ -1,6 +1,6 @@
 """The ``cptune`` command: each subcommand is a thin call into the library.
 
-In this file's order: ``search`` (and how it prints a result), ``report``, ``launch``, ``show``,
+In this file's order (what they print: ``_console``): ``search``, ``report``, ``launch``, ``show``,
 ``check``, ``index``, ``ls``, ``cp``.
 
 Heavy modules (torch, optuna) are imported inside the commands that use them, so `cptune --help` starts fast.
@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 
 from .errors import CPTuneError, Problem, ValidationError
+from ._console import print_result, progress, report_search
 from .sizes import format_size
 
 
@@ -40,28 +41,6 @@ class _Group(click.Group):
 @click.version_option(package_name="cptune")
 def main() -> None:
     """Context parallelism for PyTorch: search the fastest configuration, write recipes, launch them."""
-
-
-def _progress():
-    import time
-
-    started = time.monotonic()
-
-    def show(record, done: int, total: int) -> None:
-        width = 20
-        filled = int(width * done / max(total, 1))
-        tps = f"{record.tokens_per_s:>10,.0f} tok/s" if record.tokens_per_s else " " * 16
-        elapsed = time.monotonic() - started
-        left = f", ~{_duration(elapsed / done * (total - done))} left" if 0 < done < total else ""
-        peak = f"peak {format_size(record.peak_bytes)}" if record.peak_bytes else ""
-        click.echo(f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {_duration(elapsed)} elapsed{left} "
-                   f"{record.config.label():<32} {tps} {peak:<16} {record.state}"
-                   f"{': ' + record.reason if record.reason else ''}", err=True)
-    return show
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f}s" if seconds < 90 else f"{seconds / 60:.0f}m" if seconds < 5400 else f"{seconds / 3600:.1f}h"
 
 
 def _init_torchrun() -> bool:
@@ -96,6 +75,10 @@ def _init_torchrun() -> bool:
               help="Activation checkpointing per proxy layer, as the training run will use.")
 @click.option("--workload", "step", default=None, metavar="MODULE:FUNCTION",
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
+@click.option("--model", default=None, metavar="PATH",
+              help="Tune a transformers model's training step: a local model directory or its config.json.")
+@click.option("--model-override", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Change the model's config before building it (repeatable), e.g. num_hidden_layers=4.")
 @click.option("--documents", default=None, metavar="SPEC",
               help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
 @click.option("--window", type=int, default=None, metavar="N",
@@ -118,7 +101,8 @@ def _init_torchrun() -> bool:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
 @click.option("--script", default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, documents, window,
+def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model, overrides,
+           documents, window,
            nproc, device,
            memory_budget, memory_margin, storage,
            study_name, n_trials, timeout, trial_timeout, sampler, min_seconds, out, script, as_json) -> None:
@@ -140,9 +124,17 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
     except ValueError:
         raise CPTuneError(f"--seq-len: cannot read {seq_len!r}. Fix: give a length like 8192, or several like "
                           "8192,16384,32768") from None
-    workload = Workload(seq_len=lengths[0] if lengths else 0, batch=batch, heads=heads, kv_heads=kv_heads,
-                        head_dim=head_dim, dtype=dtype, causal=causal, layers=layers, compile=compile_, ac=ac,
-                        step=step, documents=documents, window=window)
+    fields = dict(seq_len=lengths[0] if lengths else 0, batch=batch, dtype=dtype, causal=causal, compile=compile_,
+                  ac=ac, step=step, documents=documents, window=window)
+    if model and (heads, kv_heads, head_dim, layers) != (8, None, 64, 1):
+        raise CPTuneError("--heads/--kv-heads/--head-dim/--layers: a --model's come from its config. Fix: leave "
+                          "them out, or change the model with --model-override (num_hidden_layers=4)")
+    if model:  # the attention shape is the model's
+        from .models import model_workload, parse_overrides
+
+        workload = model_workload(model, parse_overrides(overrides), **fields)
+    else:
+        workload = Workload(heads=heads, kv_heads=kv_heads, head_dim=head_dim, layers=layers, **fields)
     if step and "" not in sys.path:
         sys.path.insert(0, "")  # --workload modules are found from the current folder, like python -m
     is_rank0 = _init_torchrun()
@@ -159,59 +151,13 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
                                device=device, memory_budget=memory_budget, memory_margin=memory_margin,
                                storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
                                trial_timeout=trial_timeout, sampler=sampler,
-                               settings=MeasureSettings(min_seconds=min_seconds), progress=_progress())
+                               settings=MeasureSettings(min_seconds=min_seconds), progress=progress())
             if found is not None:  # None: a torchrun rank other than 0
                 results = found if isinstance(found, list) else [found]
-                _report_search(results, as_json, out, script)
+                report_search(results, as_json, out, script)
     except SearchInterrupted as exc:
         click.echo("\n" + exc.after(results).message(command_line()), err=True)
         sys.exit(exc.exit_code)
-
-
-def _report_search(results, as_json: bool, out: str | None, script: str | None) -> None:
-    """Print a search's results (a table each, or JSON) and write the recipe(s) for ``--out``."""
-    from .recipe import per_length_path, recipe_from_search, save_recipe
-
-    if as_json:
-        data = [r.to_dict() for r in results]
-        click.echo(json.dumps(data if len(results) > 1 else data[0], indent=2))
-    failed = []
-    for result in results:
-        if not as_json:
-            _print_result(result)
-        if result.best is None:
-            failed.append(result)
-        elif out:
-            target = out if len(results) == 1 else per_length_path(out, result.workload.seq_len)
-            path = save_recipe(recipe_from_search(result, script=script), target)
-            click.echo(f"recipe written: {path}", err=True)
-    if len(results) > 1 and not as_json:
-        click.echo("\nbest per sequence length:")
-        previous = None
-        for r in results:
-            label = r.best.config.label() if r.best else "nothing fits"
-            change = "" if previous in (None, label) else f"   <- changes (was {previous})"
-            click.echo(f"  S={r.workload.seq_len:<8} {label}{change}")
-            previous = label
-    if failed:
-        raise CPTuneError("\n".join(f"S={r.workload.seq_len}: {r.why_nothing()}" if len(results) > 1 else
-                                    r.why_nothing() for r in failed))
-
-
-def _print_result(result) -> None:
-    click.echo(f"\nstudy {result.study_name} ({result.storage}), {result.world_size} ranks on {result.device}, "
-               f"budget per rank {format_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
-    click.echo(result.table())
-    click.echo(f"({result.LEGEND})")
-    best = result.best
-    if best is not None:
-        click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
-        for kind, note in (("race", result.race_note()), ("tie", result.tie_note()),
-                           ("note", result.dp_only_note())):
-            if note:
-                click.echo(f"{kind}: {note}")
-    if not result.complete:
-        click.echo("note: not every configuration was tried; rerun the same command to continue", err=True)
 
 
 @main.command()
@@ -227,7 +173,7 @@ def report(study_name, storage, out, as_json) -> None:
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        _print_result(result)
+        print_result(result)
     if out:
         click.echo(f"written: {plot(result, out)}", err=True)
 
@@ -311,6 +257,11 @@ def show(recipe_path, as_json) -> None:
     m, p = recipe.metrics, recipe.provenance
     click.echo(recipe.header(recipe_path).rstrip())
     click.echo(f"workload : {recipe.workload.describe()}")
+    w = recipe.workload
+    if w.model:
+        click.echo(f"model run: {w.model}" + (f" with {w.model_overrides}" if w.model_overrides else "")
+                   + f", {w.seq_len} tokens x {w.batch} per replica, {w.documents or 'unpacked'}, ac {w.ac}, "
+                   f"compile {'on' if w.compile else 'off'}, FSDP2 over dp x cp, AdamW")
     c = recipe.config
     cp_ranks = c.mesh_shape[1] if c.mesh_shape else recipe.launch.world_size
     click.echo(f"config   : {c.label()}" + ("" if cp_ranks == 1 else f"  (strategy {c.strategy}"

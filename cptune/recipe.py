@@ -21,9 +21,10 @@ import torch.distributed as dist
 import yaml
 from pydantic import Field
 
-from ._env import environment
+from ._env import environment, total_device_memory
 from .config import CPConfig, StrictModel
 from .errors import CPTuneError, Problem, ValidationError, raise_if
+from .sizes import format_size
 from .validate import backend_problem
 from .workload import Workload
 
@@ -293,6 +294,10 @@ def command_line() -> str:
     return f"the same torchrun command (torchrun ... {'-m ' if line.startswith('cptune ') else ''}{line})"
 
 
+MODEL_SCRIPT = "examples/train_hf.py"
+"""What a --model recipe launches unless told otherwise: it trains the recipe's model on its data settings."""
+
+
 def recipe_from_search(result: Any, script: str | None = None, args: list[str] | None = None,
                        nnodes: int = 1) -> Recipe:
     """The recipe for a search's best feasible configuration (``result``: a SearchResult)."""
@@ -303,7 +308,8 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
     recipe = Recipe(
         workload=result.workload,
         config=best.config,
-        launch=Launch(nnodes=nnodes, nproc_per_node=result.nproc_per_node, script=script, args=list(args or [])),
+        launch=Launch(nnodes=nnodes, nproc_per_node=result.nproc_per_node, args=list(args or []),
+                      script=script or (MODEL_SCRIPT if result.workload.model else None)),
         provenance=Provenance(**env, study_name=result.study_name, storage=result.storage,
                               n_trials=len(result.trials), command=command_line()),
         metrics=Metrics(measured=True, tokens_per_s=best.tokens_per_s, step_time_s=best.step_time_s,
@@ -327,6 +333,20 @@ def world_size_problems(recipe: Recipe, world_size: int, argument: str = "recipe
                     f"{launch.nproc_per_node}) but this job has {world_size}",
                     f"launch with cptune launch (it starts {launch.world_size} ranks) or use a recipe "
                     f"searched for {world_size} ranks")]
+
+
+def _memory_problems(recipe: Recipe) -> list[Problem]:
+    """The recipe's measured peak per rank against what one rank has here (a GPU, or RAM over the local ranks)."""
+    device, peak = recipe.provenance.device_type, max(recipe.metrics.peak_bytes_per_rank or [0])
+    if not recipe.metrics.measured or not peak or (device == "cuda" and not torch.cuda.is_available()):
+        return []
+    have = total_device_memory(device) // (1 if device == "cuda" else recipe.launch.nproc_per_node)
+    if peak <= have:
+        return []
+    return [Problem("metrics.peak_bytes_per_rank", f"the recipe's measured peak, {format_size(peak)} per rank, is "
+                    f"more than a rank has here ({format_size(have)}: "
+                    + ("one GPU" if device == "cuda" else f"RAM over {recipe.launch.nproc_per_node} ranks") + ")",
+                    "run it where a rank has that much memory, or re-run cptune search here with --memory-budget")]
 
 
 def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]:
@@ -357,6 +377,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
         problems.append(Problem("metrics.digest", "is missing, so the figures cannot be verified (cptune search "
                                 "writes one; it was deleted, or the recipe was written by hand)",
                                 "re-run cptune search for this configuration, or set metrics.measured: false"))
+    problems += _memory_problems(recipe)
     if world_size is not None:
         problems += world_size_problems(recipe, world_size, "--world-size")
     cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size

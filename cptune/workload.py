@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -42,6 +42,13 @@ class Workload(StrictModel):
     window: int | None = Field(None, ge=0, json_schema_extra={
         "fix": "give --window as how many earlier tokens each token attends to (4095 for sliding_window=4096)"})
     """A causal sliding window: each token attends to this many earlier tokens besides itself; None: no window."""
+    model: str | None = Field(None, json_schema_extra={
+        "fix": "give --model as a local model directory or its config.json"})
+    """A transformers model (directory or config.json) whose training step is measured: built from its config
+    with random weights, trained with FSDP2 over dp x cp and AdamW (see cptune.models); None: the proxy."""
+    model_overrides: dict[str, Any] | None = Field(None, json_schema_extra={
+        "fix": "give --model-override as KEY=VALUE, e.g. num_hidden_layers=4"})
+    """Config fields changed before the model is built (e.g. fewer layers for a quick probe)."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> Workload:
@@ -58,12 +65,15 @@ class Workload(StrictModel):
                 lengths_from_spec(self.documents, self.seq_len)
             except ValidationError as exc:
                 raise ProblemError(exc.problems[0]) from None
+        if self.model is not None and self.step is not None:
+            raise ProblemError(Problem("model (--model)", "is given with --workload", "measure one of them: "
+                                       "--model for a transformers model, --workload for your own step"))
         if self.window is not None and not self.causal:
             raise ProblemError(Problem("window (--window)", "is set for non-causal attention",
                                        "use --causal with --window (cptune's searches model causal windows)"))
         return self
 
-    _ADDED = ("documents", "window")  # fields after 0.1.0's studies: left out at their default
+    _ADDED = ("documents", "window", "model", "model_overrides")  # fields after 0.1.0's studies: left out at their default
 
     def question(self) -> dict:
         """This workload as a study's question (its name's hash and the resume check): fields added since
@@ -86,8 +96,8 @@ class Workload(StrictModel):
     def predictable(self) -> bool:
         """Whether the analytic memory model covers this step (the plain proxy: no user step, AC, compile,
         documents or window)."""
-        return self.step is None and self.ac == "none" and not self.compile and self.documents is None \
-            and self.window is None
+        return self.step is None and self.model is None and self.ac == "none" and not self.compile \
+            and self.documents is None and self.window is None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -106,4 +116,7 @@ class Workload(StrictModel):
         base += f" ac={self.ac}" if self.ac != "none" else ""
         base += f" docs={self.documents}" if self.documents else ""
         base += f" window={self.window}" if self.window is not None else ""
+        if self.model:
+            changed = ",".join(f"{k}={v}" for k, v in (self.model_overrides or {}).items())
+            base += f" model={self.model}" + (f" ({changed})" if changed else "")
         return base + (f" step={self.step}" if self.step else "")

@@ -16,7 +16,7 @@ from ..context import context_parallel
 from ..workload import Workload
 from .memory import current_usage, read_peak, reset_peak
 from .settings import MeasureSettings
-from .steps import ProxyStep, build_user_step
+from .steps import ProxyStep, build_model_step, build_user_step
 
 
 def rank_device() -> torch.device:
@@ -41,7 +41,7 @@ def _sync(device: torch.device) -> None:
 def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSettings) -> dict:
     """Time ``workload``'s step under ``config`` on this rank. Collective: call on every rank."""
     device = rank_device()
-    if workload.compile or workload.step:
+    if workload.compile or workload.step or workload.model:
         # Compile afresh, as the training job will: the ranks have compiled other configs' steps,
         # and past torch.compile's recompile limit (8) the code would silently run eagerly.
         torch.compiler.reset()
@@ -50,8 +50,9 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
     reset_peak(device)
     cp = config.mesh_shape[1]
     docs, window = workload.document_ids(), workload.window_pair
-    if workload.step:
-        step, buffers, seq_dims = build_user_step(workload, device)
+    if workload.step or workload.model:
+        build = build_model_step if workload.model else build_user_step
+        step, buffers, seq_dims = build(workload, device)
         buffers, seq_dims = list(buffers), list(seq_dims)
 
         def run() -> None:

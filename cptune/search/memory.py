@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from .._env import total_device_memory
 from .._ulysses import kv_replication
 from ..config import CPConfig
 from ..workload import Workload
 
 PRUNE_FACTOR = 1.5
 """Configs predicted above PRUNE_FACTOR x budget are recorded infeasible without running."""
-
-def total_device_memory(device_type: str) -> int:
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
 
 def default_budget(device_type: str, nproc_per_node: int, fraction: float = 0.9) -> int:
     """A fraction of one GPU's memory, or of this machine's RAM shared by its local ranks."""

@@ -109,8 +109,8 @@ class SearchResult:
             return None
         return (f"{best.config.label()} means no context parallelism: each rank holds whole sequences and exchanges "
                 "nothing, so it wins whenever a whole sequence fits the budget. CP pays off when one does not: "
-                "search with --memory-budget set to your device's memory and your model's depth (--layers, or "
-                "--workload for your own step).")
+                "search with --memory-budget set to your device's memory and your model (--model for a "
+                "transformers one, --workload for your own step, or the proxy's --layers).")
 
     def to_dict(self) -> dict[str, Any]:
         best = self.best

@@ -19,6 +19,7 @@ from .measure import measure_on_rank
 from .memory import default_budget
 from .result import SearchResult
 from .settings import MeasureSettings, SearchSettings
+from ..models import attention_shape, load_config
 from .steps import load_user_step
 
 DEFAULT_MARGIN = 0.05
@@ -51,6 +52,16 @@ def _check_user_step(workload: Workload) -> None:
                                        "define it as def fn(workload, device) -> (step, buffers, seq_dims)")]) from None
     except ValueError:  # no signature to read (a builtin): let the ranks find out
         pass
+
+
+def _check_model(workload: Workload) -> None:
+    """The model's config loads, and the workload's attention shape (what the search space is built from) is
+    the model's."""
+    shape = attention_shape(load_config(workload.model, workload.model_overrides))
+    differ = [f"{k}={getattr(workload, k)} (the model's: {v})" for k, v in shape.items()
+              if getattr(workload, k) != v and not (k == "kv_heads" and workload.kv_heads is None and v == shape["heads"])]
+    raise_if([Problem("workload", f"differs from --model {workload.model}: {', '.join(differ)}",
+                      "build it with cptune.models.model_workload(path, overrides, seq_len=...)")] if differ else [])
 
 
 def search(
@@ -119,6 +130,8 @@ def search(
     raise_if(problems)
     if workload.step:
         _check_user_step(workload)
+    if workload.model:  # the config reads and the overrides apply here, before any rank starts
+        _check_model(workload)
     if dist.is_initialized() and dist.get_rank() != 0:
         SPMDEvaluator(trial_timeout, measure).follow()  # serve rank 0's trials; torchrun stops this rank
         return None

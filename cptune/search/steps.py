@@ -7,10 +7,14 @@ import importlib
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .. import models
 from .._attention import RING_ATTENTION_OPS
+from .._loss import packed_labels_and_positions
+from .._session import world_mesh
 from .._ulysses import ULYSSES_OPS
 from ..errors import CPTuneError, Problem, ValidationError
 from ..workload import Workload
@@ -87,3 +91,27 @@ def build_user_step(workload: Workload, device: torch.device):
     if not (isinstance(made, tuple) and len(made) == 3 and callable(made[0])):
         raise CPTuneError(f"{workload.step} must return (step, buffers, seq_dims); got {type(made).__name__}")
     return made
+
+
+def build_model_step(workload: Workload, device: torch.device):
+    """A transformers model's training step, as it trains (see :mod:`cptune.models`): built from its config
+    with random weights (the same on every rank), FSDP2 over all ranks, and an AdamW step after backward, so
+    the peak holds parameters, gradients and optimizer state; synthetic tokens, packed as ``documents`` says."""
+    config = models.load_config(workload.model, workload.model_overrides)
+    torch.manual_seed(0)
+    model = models.build_model(config, device)
+    mesh = world_mesh(device.type) if dist.is_initialized() and dist.get_world_size() > 1 else None
+    models.prepare_for_training(model, ac=workload.ac, compile=workload.compile, fsdp_mesh=mesh,
+                                dtype=workload.torch_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, config.get_text_config().vocab_size, (workload.batch, workload.seq_len),
+                              generator=gen)
+    labels, positions = packed_labels_and_positions(input_ids, workload.document_ids())
+
+    def step(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> None:
+        model(input_ids=input_ids, position_ids=position_ids, shift_labels=labels, use_cache=False).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, [t.to(device) for t in (input_ids, labels, positions)], [1, 1, 1]

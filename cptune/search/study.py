@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 
 from ..errors import Problem, ValidationError
+from ..models import config_path
 from ..workload import Workload
 from . import racing
 from .measure import tokens_per_step
@@ -38,8 +39,12 @@ def get_storage(storage: None | str | optuna.storages.BaseStorage) -> optuna.sto
 
 
 def question(workload: Workload, settings: MeasureSettings, env: dict[str, Any]) -> dict[str, Any]:
-    """What a study answers: the workload, how it is measured, and where (``Environment.study()``)."""
-    return {"workload": workload.question(), "settings": settings.model_dump(mode="json"), "environment": env}
+    """What a study answers: the workload (a model's by its config's content too, not only its path), how it
+    is measured, and where (``Environment.study()``)."""
+    asked = {"workload": workload.question(), "settings": settings.model_dump(mode="json"), "environment": env}
+    if workload.model:
+        asked["model_config"] = hashlib.sha256(config_path(workload.model).read_bytes()).hexdigest()[:16]
+    return asked
 
 
 def default_study_name(workload: Workload, world_size: int, device_type: str, settings: MeasureSettings,
@@ -48,6 +53,7 @@ def default_study_name(workload: Workload, world_size: int, device_type: str, se
     the measurement settings and the environment (torch, cptune, device, ranks per node, nodes)."""
     kv = f"-kv{workload.kv_heads}" if workload.kv_heads else ""
     step = f"-{workload.step.replace(':', '.')}" if workload.step else ""
+    step += f"-{config_path(workload.model).parent.name or 'model'}" if workload.model else ""
     step += ("-compiled" if workload.compile else "") + (f"-ac{workload.ac}" if workload.ac != "none" else "")
     layers = f"-L{workload.layers}" if workload.layers != 1 else ""
     layers += (f"-docs{workload.documents.replace(',', '_')[:24]}" if workload.documents else "") + \

@@ -1,0 +1,173 @@
+"""transformers models from their config, trained as transformers trains them: one loader for
+``cptune search --model`` and ``examples/train_hf.py``.
+
+::
+
+    config = cptune.models.load_config("path/to/model", {"num_hidden_layers": 4})  # dir or config.json
+    model = cptune.models.build_model(config, device)            # random weights; weights="path" loads them
+    cptune.models.prepare_for_training(model, ac="selective", compile=False, fsdp_mesh=mesh)
+
+Nothing is downloaded: a model is a local directory (or its ``config.json``). Training as
+transformers does means ``model.train()``, ``use_cache=False``, :func:`cptune.hf.enable`,
+activation checkpointing through transformers' own switch (``selective`` keeps matmuls
+and the CP attention's output, recomputing the rest), ``torch.compile`` per decoder layer, and
+FSDP2 per decoder layer then the root (torchtitan's order). transformers is optional; without it
+these functions say which extra to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ._attention import RING_ATTENTION_OPS
+from ._ulysses import ULYSSES_OPS
+from .errors import Problem, ValidationError
+from .workload import Workload
+
+INSTALL = "pip install 'cptune[hf]' (transformers)"
+
+
+def _transformers(argument: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ValidationError([Problem(argument, "needs transformers, which is not installed",
+                                       INSTALL)]) from None
+    return transformers
+
+
+def parse_overrides(items: Iterable[str], argument: str = "--model-override") -> dict[str, Any]:
+    """``["num_hidden_layers=4", "rope_theta=1e6", "tie_word_embeddings=false"]`` -> a dict (JSON values,
+    else the text)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValidationError([Problem(argument, f"{item!r} is not KEY=VALUE",
+                                           "give a config field and its value, e.g. num_hidden_layers=4")])
+        try:
+            out[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key.strip()] = text
+    return out
+
+
+def config_path(path: str | Path, argument: str = "--model") -> Path:
+    """The model's ``config.json``: PATH itself, or PATH/config.json."""
+    p = Path(path).expanduser()
+    found = p / "config.json" if p.is_dir() else p
+    if not found.is_file():
+        raise ValidationError([Problem(argument, f"{path!s}: no config.json there", "give a local model "
+                                       "directory (with config.json) or the config.json itself; nothing is "
+                                       "downloaded")])
+    return found
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, argument: str = "--model"):
+    """The model's transformers config from a local directory or config.json, with ``overrides`` applied."""
+    transformers = _transformers(argument)
+    found = config_path(path, argument)
+    data = json.loads(found.read_text())
+    if "model_type" not in data:
+        raise ValidationError([Problem(argument, f"{found} has no model_type", "use a transformers config.json")])
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in data.items() if k != "transformers_version"})
+    unknown = [k for k in (overrides or {}) if not hasattr(config, k)]
+    if unknown:
+        raise ValidationError([Problem("--model-override", f"{', '.join(unknown)}: not fields of this "
+                                       f"{type(config).__name__}", "use field names from its config.json, e.g. "
+                                       "num_hidden_layers")])
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    config.use_cache = False
+    return config
+
+
+def attention_shape(config) -> dict[str, int]:
+    """The shape cptune's search needs from a model config: heads, kv_heads, head_dim, layers."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return {"heads": heads, "kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+            "head_dim": head_dim, "layers": text.num_hidden_layers}
+
+
+def model_workload(model: str | Path, overrides: Mapping[str, Any] | None = None, **fields: Any) -> Workload:
+    """What ``cptune search --model`` measures: ``model``'s training step, its attention shape (heads,
+    kv_heads, head_dim, layers) read from its config; ``fields`` give the rest (seq_len, batch, ac, ...)."""
+    shape = attention_shape(load_config(model, overrides))
+    return Workload(model=str(model), model_overrides=dict(overrides) if overrides else None, **shape, **fields)
+
+
+def build_model(config, device: torch.device | str, weights: str | Path | None = None) -> nn.Module:
+    """A float32 causal LM from ``config`` with random weights (seed them with torch.manual_seed first: every
+    rank must build the same), or from the local ``weights`` directory; SDPA attention outside CP blocks."""
+    transformers = _transformers("--model")
+    if weights is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=torch.float32,
+                                                                  attn_implementation="sdpa", local_files_only=True)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(device=device, dtype=torch.float32)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (transformers names their class in ``_no_split_modules``)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValidationError([Problem("model", f"{type(model).__name__} names no decoder layer class "
+                                       "(_no_split_modules)", "use a transformers causal LM")])
+    return layers
+
+
+def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
+    keep = op in RING_ATTENTION_OPS or op in ULYSSES_OPS or op == torch.ops.aten.mm.default
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = False, fsdp_mesh: Any = None,
+                         dtype: torch.dtype = torch.float32) -> nn.Module:
+    """cptune.hf.enable, train mode, no KV cache, then activation checkpointing, torch.compile per decoder
+    layer and FSDP2 (per decoder layer, then the root) over ``fsdp_mesh`` when given. A ``dtype`` below
+    float32 is the compute dtype: FSDP2 keeps float32 parameters and reduces gradients in float32 (without
+    FSDP the model is cast). Returns the model."""
+    from . import hf
+
+    if ac not in ("none", "full", "selective"):
+        raise ValidationError([Problem("ac", f"{ac!r} is not none, full or selective", "use one of them")])
+    hf.enable(model)
+    model.train()
+    model.config.use_cache = False
+    if ac != "none":
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if ac == "selective":
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention)
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.24 renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    layers = decoder_layers(model)
+    if compile:
+        for layer in layers:
+            layer.compile()
+    if fsdp_mesh is None:
+        return model.to(dtype)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
+    return model
+
+
+__all__ = ["attention_shape", "build_model", "config_path", "decoder_layers", "load_config", "model_workload",
+           "parse_overrides", "prepare_for_training"]
