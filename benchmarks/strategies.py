@@ -126,9 +126,10 @@ def _interleaved(run, cases: dict[str, tuple[Workload, CPConfig]], rounds: int =
             for name, ts in times.items()}
 
 
-def run_sweep(run, world: int, quick: bool, device: str, dtype: str) -> list[dict]:
+def run_sweep(run, world: int, quick: bool, device: str, dtype: str, workloads: list[Workload] | None = None) -> list[dict]:
+    """Every strategy on each workload of the sweep (or of ``workloads``)."""
     rows = []
-    for w in sweep(quick, world, dtype):
+    for w in workloads or sweep(quick, world, dtype):
         cases = {name: (w, c) for name, c in configs_for(world, device).items()}
         measured = _interleaved(run, cases)
         base = measured["ring alltoall"]["step_s"]

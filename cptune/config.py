@@ -24,7 +24,7 @@ SDPA_BACKENDS: tuple[str, ...] = ("flash", "efficient", "cudnn", "math")
 class StrictModel(BaseModel):
     """A frozen pydantic model whose validation errors are cptune ValidationErrors."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())  # fields named model_*
 
     def __init__(self, **data: Any) -> None:
         try:

@@ -219,25 +219,30 @@ def _stop(session: _Session, failing: bool = False) -> None:
     session.stop(failing=failing)
 
 
-def replica_rows(global_batch: int, *, config: ConfigLike = None, recipe: Any = None) -> slice:
-    """This rank's rows of a global batch: its dp replica's share, the same on all of the replica's CP ranks.
-
-    The ("dp", "cp") mesh is row-major, so replica = rank // cp. ``config``/``recipe`` as for
-    :class:`context_parallel` ($CPTUNE_RECIPE when neither is given). Use it before the step::
-
-        rows = cptune.replica_rows(len(batch), recipe=recipe)
-        loss = train_step(input_ids[rows], labels[rows], positions[rows])
-    """
+def replica(*, config: ConfigLike = None, recipe: Any = None) -> tuple[int, int, int]:
+    """(dp, cp, this rank's replica): the ("dp", "cp") mesh is row-major, so replica = rank // cp.
+    ``config``/``recipe`` as for :class:`context_parallel` ($CPTUNE_RECIPE when neither is given)."""
     found = _recipe_for(config, recipe)
     cfg = found.config if found is not None else as_config(config)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     dp, cp = cfg.resolve_mesh_shape(world)
+    return dp, cp, rank // cp
+
+
+def replica_rows(global_batch: int, *, config: ConfigLike = None, recipe: Any = None) -> slice:
+    """This rank's rows of a global batch: its dp replica's share, the same on all of the replica's CP ranks.
+    ``config``/``recipe`` as for :class:`context_parallel` ($CPTUNE_RECIPE when neither is given). Use it
+    before the step::
+
+        rows = cptune.replica_rows(len(batch), recipe=recipe)
+        loss = train_step(input_ids[rows], labels[rows], positions[rows])
+    """
+    dp, _, index = replica(config=config, recipe=recipe)
     if global_batch % dp:
         raise ValidationError([Problem("global_batch", f"{global_batch} rows do not split over {dp} dp replicas",
                                        f"use a global batch divisible by {dp}, or a config with another dp degree")])
     per = global_batch // dp
-    replica = rank // cp
-    return slice(replica * per, (replica + 1) * per)
+    return slice(index * per, (index + 1) * per)
 
 
 def _active(needs: str = "this needs an active cptune.context_parallel block (or decorated call); call it "

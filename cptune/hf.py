@@ -27,136 +27,25 @@ A forward pre-hook refuses, inside a block, what would silently give wrong numbe
 shifted inside a shard, positions made inside the model, a padding mask) and fills in
 ``num_items_in_batch`` so the loss is the exact single-device mean over every rank's tokens.
 Attention features SDPA cannot run (softcapping, a position bias, attention sinks) are refused.
+``cptune.hf.Trainer`` is transformers' Trainer with each training step in a block (``_hf_trainer``).
 Verified with transformers 5.24 (``shift_labels`` and ``num_items_in_batch`` are taken by its
-causal-LM loss since 4.46 / 4.50). transformers is optional: only this module imports it.
+causal-LM loss since 4.46 / 4.50). transformers is optional: only this module's implementation (``_hf``, ``_hf_trainer``) and
+``cptune.models`` import it.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-import torch
-import torch.nn as nn
-
-from ._documents import documents_from_cu_seqlens, documents_from_position_ids
-from ._loss import IGNORE_INDEX
-from ._session import active
-from .context import scaled_dot_product_attention
-from .errors import Problem, raise_if
-
-ATTN_IMPLEMENTATION = "cptune"
-_UNSUPPORTED = {"softcap": "attention logit softcapping", "position_bias": "a position bias (T5-style)",
-                "s_aux": "attention sinks"}
+from ._hf import ATTN_IMPLEMENTATION, attention_forward, enable
 
 
-def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface signature; (B, H, S, D) in, (B, S, H, D) out."""
-    raise_if([Problem(name, f"is set: {what} cannot run under cptune's SDPA attention",
-                      "train this model without it, or without context parallelism")
-              for name, what in _UNSUPPORTED.items() if kwargs.get(name) is not None])
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(causal) and attention_mask is None and query.shape[2] > 1
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        raise_if([] if causal else [Problem("sliding_window", f"is {window} in a non-causal attention layer",
-                                            "cptune applies sliding windows of causal layers only")])
-        window = (int(window) - 1, 0)  # transformers: kv_idx > q_idx - sliding_window
-    documents = None
-    if active() is None and attention_mask is None and kwargs.get("position_ids") is not None:
-        ids = documents_from_position_ids(kwargs["position_ids"])
-        documents = ids if bool((ids[..., -1] > 0).any()) else None
-    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-                                       is_causal=causal, enable_gqa=key.shape[1] != query.shape[1],
-                                       window=window, documents=documents)
-    return out.transpose(1, 2).contiguous(), None
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":  # transformers.Trainer's subclass, imported when asked for (the Trainer needs accelerate)
+        from ._hf_trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'cptune.hf' has no attribute {name!r}")
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
-
-
-def _set_implementation(model: nn.Module, name: str) -> None:
-    if getattr(model.config, "_attn_implementation", None) == name:
-        return
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:  # transformers before 4.56
-        model.config._attn_implementation = name
-
-
-def _all_ranks_true(flag: bool, session: Any) -> bool:
-    """Agree across the CP group (a shard may hold the only masked token), so every rank raises or none."""
-    t = torch.tensor([int(flag)], device=session.device_type if session.device_type != "cpu" else None)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=session.group)
-    return bool(t.item())
-
-
-@torch.compiler.disable
-def _packed_documents(session: Any, given: dict[str, Any]) -> None:
-    """Tell the block the documents of a packed batch, as transformers would find them."""
-    cu = given.get("cu_seq_lens_q")
-    if cu is not None:
-        session.use_documents(documents_from_cu_seqlens(cu), "cu_seq_lens_q")
-    positions = given.get("position_ids")
-    if positions is None or given.get("attention_mask") is not None:
-        return
-    full = session.full_tensor(positions)
-    if full is None:  # not one of the block's buffers: gather it (every rank runs this hook)
-        full = session.unshard(positions, positions.ndim - 1) if session.cp > 1 else positions
-    ids = documents_from_position_ids(full)
-    if bool((ids[..., -1] > 0).any()):
-        session.use_documents(ids, "position_ids")
-
-
-def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
-    session = active()
-    _set_implementation(module, ATTN_IMPLEMENTATION if session is not None else module._cptune_outside)
-    if session is None:
-        return None
-    names = [p for p in inspect.signature(module.forward).parameters]
-    given = {**dict(zip(names, args)), **kwargs}  # positional arguments by name too
-    problems = []
-    mask = given.get("attention_mask")
-    if session.cp > 1 and mask is not None and not _all_ranks_true(bool(mask.all()), session):
-        problems.append(Problem("attention_mask", "masks some tokens (padding), which cptune's attention does not "
-                                "apply inside a block", "train on unpadded sequences: pack documents and pass "
-                                "position_ids that restart at each document (or documents= to the block), and "
-                                "attention_mask=None"))
-    if given.get("position_ids") is None and session.cp > 1:
-        problems.append(Problem("position_ids", "is not given, so the model would number this rank's shard "
-                                "from 0 (wrong rotary positions under CP)", "pass position_ids = "
-                                "torch.arange(seq_len).expand(batch, seq_len) as a cptune buffer and to the model"))
-    if given.get("labels") is not None and given.get("shift_labels") is None and session.cp > 1:
-        problems.append(Problem("labels", "would be shifted inside this rank's shard, pairing tokens that are "
-                                "not neighbours", "shift before sharding: labels = cptune.shift_labels(input_ids) "
-                                "as a buffer, then call the model with shift_labels=labels (not labels=)"))
-    raise_if(problems)
-    _packed_documents(session, given)
-    shifted = kwargs.get("shift_labels")
-    if shifted is not None:
-        kwargs = dict(kwargs)
-        if kwargs.get("labels") is None:
-            kwargs["labels"] = shifted  # transformers computes a loss only when labels is given
-        if kwargs.get("num_items_in_batch") is None:
-            kwargs["num_items_in_batch"] = session.num_items_in_batch(shifted, kwargs.get("ignore_index", IGNORE_INDEX),
-                                                                      "all")
-    return args, kwargs
-
-
-def enable(model: nn.Module) -> nn.Module:
-    """Make a transformers model CP-ready (attention inside blocks, checks, the loss divisor); returns the model."""
-    _register()
-    if not getattr(model, "_cptune_hook", None):
-        current = getattr(model.config, "_attn_implementation", None)
-        model._cptune_outside = current if current not in (None, ATTN_IMPLEMENTATION) else "sdpa"
-        model._cptune_hook = model.register_forward_pre_hook(_check_call, with_kwargs=True)
-    _set_implementation(model, ATTN_IMPLEMENTATION)
-    return model
-
-
-__all__ = ["ATTN_IMPLEMENTATION", "attention_forward", "enable"]
+__all__ = ["ATTN_IMPLEMENTATION", "Trainer", "attention_forward", "enable"]  # noqa: F822 - Trainer: __getattr__

@@ -28,8 +28,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ._attention import RING_ATTENTION_OPS
+from ._hf import enable
 from ._ulysses import ULYSSES_OPS
-from .errors import Problem, ValidationError
+from .errors import Problem, ValidationError, raise_if
 from .workload import Workload
 
 INSTALL = "pip install 'cptune[hf]' (transformers)"
@@ -108,7 +109,9 @@ def model_workload(model: str | Path, overrides: Mapping[str, Any] | None = None
 
 def build_model(config, device: torch.device | str, weights: str | Path | None = None) -> nn.Module:
     """A float32 causal LM from ``config`` with random weights (seed them with torch.manual_seed first: every
-    rank must build the same), or from the local ``weights`` directory; SDPA attention outside CP blocks."""
+    rank must build the same), or from the local ``weights`` directory; SDPA attention outside CP blocks.
+    Built whole, then sharded by FSDP2 (not on the meta device: that needs the model's own weight init after
+    ``to_empty``, the same on every rank), so a rank must hold the whole model once."""
     transformers = _transformers("--model")
     if weights is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=torch.float32,
@@ -128,6 +131,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def training_problems(ac: str, compile: bool) -> list[Problem]:
+    """What this transformers cannot train right under CP: compile with activation checkpointing before the
+    releases that have ``activation_checkpointing_enable`` (found by that name, not by version)."""
+    if not compile or ac == "none":
+        return []
+    transformers = _transformers("--model")
+    if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"):
+        return []
+    return [Problem("compile (--compile)", f"with activation checkpointing needs a newer transformers than "
+                    f"{transformers.__version__}: there a compiled decoder layer's recompute under CP saves other "
+                    "tensors than its forward did (torch's CheckpointError)",
+                    "pip install -U transformers (verified: 5.24), or drop --compile or --ac")]
+
+
 def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
     keep = op in RING_ATTENTION_OPS or op in ULYSSES_OPS or op == torch.ops.aten.mm.default
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
@@ -139,11 +156,10 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
     layer and FSDP2 (per decoder layer, then the root) over ``fsdp_mesh`` when given. A ``dtype`` below
     float32 is the compute dtype: FSDP2 keeps float32 parameters and reduces gradients in float32 (without
     FSDP the model is cast). Returns the model."""
-    from . import hf
-
     if ac not in ("none", "full", "selective"):
         raise ValidationError([Problem("ac", f"{ac!r} is not none, full or selective", "use one of them")])
-    hf.enable(model)
+    raise_if(training_problems(ac, compile))
+    enable(model)
     model.train()
     model.config.use_cache = False
     if ac != "none":

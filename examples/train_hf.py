@@ -213,8 +213,9 @@ def main() -> None:
         ids, docs = tokens[step * batch:(step + 1) * batch][rows], doc_ids[step * batch:(step + 1) * batch][rows]
         labels, positions = cptune.packed_labels_and_positions(ids, docs)
         ids, labels, positions, docs = (t.to(device) for t in (ids, labels, positions, docs))
+        packed = world > 1 and bool((docs[:, -1] != docs[:, 0]).any())  # else: one document per row, plain causal
         with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=config,
-                                     documents=docs if world > 1 else None):
+                                     documents=docs if packed else None):
             loss = model(input_ids=ids, position_ids=positions, shift_labels=labels, use_cache=False).loss
             loss.backward()  # inside the block: checkpointed layers recompute with CP attention
         loss = loss.detach()

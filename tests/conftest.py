@@ -30,5 +30,7 @@ def ranks():
         return groups[n]
 
     yield get
-    for group in groups.values():
-        group.close()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor() as pool:  # the groups wind down together, not one after another
+        list(pool.map(WorkerGroup.close, groups.values()))

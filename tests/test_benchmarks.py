@@ -113,11 +113,11 @@ def test_strategy_benchmark_bytes_from_shapes():
 
 
 def test_strategy_benchmark_runs_side_by_side(ranks):
-    from benchmarks.strategies import run_gqa, run_sweep, summary_lines
+    from benchmarks.strategies import run_gqa, run_sweep, summary_lines, sweep
 
     group = ranks(2)
     results = {"command": "x", "machine": "m", "date": "d", "dtype": "float32", "total_seconds": 1,
-               "sweep": run_sweep(lambda *a: group.run(*a), 2, True, "cpu", "float32")[:1],
+               "sweep": run_sweep(lambda *a: group.run(*a), 2, True, "cpu", "float32", sweep(True, 2, "float32")[:1]),
                "gqa": run_gqa(lambda *a: group.run(*a), 2, True, "cpu", "float32")}
     row = results["sweep"][0]
     assert set(row["speed"]) == {"ring allgather", "ring alltoall", "ulysses"} and row["speed"]["ring alltoall"] == 1

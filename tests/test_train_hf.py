@@ -34,37 +34,32 @@ def losses(path):
     return json.loads(Path(path).read_text())
 
 
-def test_two_ranks_train_like_one_process_and_resume_from_a_checkpoint(tmp_path):
-    common = ["--model", str(MODEL), "--seq-len", "128", "--batch", "2"]
-    run([sys.executable, SCRIPT, *common, "--steps", "3", "--losses-out", "one.json"], tmp_path)
-    run([*torchrun(2), SCRIPT, *common, "--steps", "2", "--checkpoint-dir", "ck", "--losses-out", "a.json"], tmp_path)
+def _recipe(tmp_path, workload, mesh, script="examples/train_hf.py"):
+    nproc = mesh[0] * mesh[1]
+    recipe = Recipe(workload=workload, config=cptune.CPConfig(mesh_shape=mesh, rotate_method="alltoall"),
+                    launch=Launch(nproc_per_node=nproc, script=script),
+                    provenance=Provenance(**environment("cpu", nproc).provenance()), metrics=Metrics(measured=False))
+    return save_recipe(recipe, tmp_path / "r.yaml")
+
+
+def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_checkpoint(tmp_path):
+    """dp 2 x cp 2 from a recipe: packed long-tailed documents, selective AC, FSDP2; stopped after 2 steps and
+    resumed from its checkpoint, the 3 steps' losses are the one-process run's."""
+    _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=128, batch=1, documents="longtail",
+                                                   ac="selective"), (2, 2))
+    run([sys.executable, SCRIPT, "--model", str(MODEL), "--seq-len", "128", "--batch", "2", "--documents", "longtail",
+         "--steps", "3", "--losses-out", "one.json"], tmp_path)
+    run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "2", "--checkpoint-dir", "ck", "--losses-out",
+         "a.json"], tmp_path)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-2"]  # whole, no .partial left
-    run([*torchrun(2), SCRIPT, *common, "--steps", "3", "--checkpoint-dir", "ck", "--resume",
+    run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "3", "--checkpoint-dir", "ck", "--resume",
          "--losses-out", "b.json"], tmp_path)
     one, a, b = losses(tmp_path / "one.json"), losses(tmp_path / "a.json"), losses(tmp_path / "b.json")
-    assert a["cp"] == 2 and b["start"] == 2 and len(b["losses"]) == 1
+    assert (a["dp"], a["cp"]) == (2, 2) and b["start"] == 2 and len(b["losses"]) == 1
     assert max(abs(x - y) for x, y in zip(a["losses"] + b["losses"], one["losses"])) <= 1e-5, (a, b, one)
 
 
-@pytest.mark.parametrize("nproc,mesh,documents,extra", [
-    (4, (2, 2), "longtail", []),
-    (2, (1, 2), "4", ["--ac", "selective", "--compile"]),
-])
-def test_packed_training_from_a_recipe_equals_one_process(tmp_path, nproc, mesh, documents, extra):
-    workload = cptune.models.model_workload(MODEL, seq_len=128, batch=1, documents=documents)
-    recipe = Recipe(workload=workload, config=cptune.CPConfig(mesh_shape=mesh, rotate_method="alltoall"),
-                    launch=Launch(nproc_per_node=nproc, script="examples/train_hf.py"),
-                    provenance=Provenance(**environment("cpu", nproc).provenance()), metrics=Metrics(measured=False))
-    save_recipe(recipe, tmp_path / "r.yaml")
-    run([sys.executable, SCRIPT, "--model", str(MODEL), "--seq-len", "128", "--batch", str(mesh[0]),
-         "--documents", documents, "--steps", "2", "--losses-out", "one.json"], tmp_path)
-    run([*torchrun(nproc), SCRIPT, "--recipe", "r.yaml", "--steps", "2", *extra, "--losses-out", "cp.json"], tmp_path)
-    one, cp = losses(tmp_path / "one.json"), losses(tmp_path / "cp.json")
-    assert (cp["dp"], cp["cp"]) == mesh
-    assert max(abs(x - y) for x, y in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
-
-
-def test_search_a_model_then_launch_its_recipe(tmp_path):
+def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
     search = [sys.executable, "-m", "cptune", "search", "--model", str(MODEL), "--model-override",
               "num_hidden_layers=1", "--seq-len", "256", "--documents", "4", "--nproc", "2", "--memory-budget", "4GiB",
               "--min-seconds", "0.1", "--out", "m.yaml"]
@@ -77,11 +72,12 @@ def test_search_a_model_then_launch_its_recipe(tmp_path):
     assert recipe.launch.script == "examples/train_hf.py" and recipe.metrics.measured
     shown = run([sys.executable, "-m", "cptune", "show", "m.yaml"], tmp_path).stdout
     assert f"model run: {MODEL} with {{'num_hidden_layers': 1}}, 256 tokens x 1 per replica, 4," in shown
-    run([sys.executable, "-m", "cptune", "launch", "m.yaml", "--", SCRIPT, "--steps", "2", "--losses-out", "cp.json"],
-        tmp_path)
+    # trained from the recipe (its model and overrides), unpacked and compiled here, against one process
+    run([sys.executable, "-m", "cptune", "launch", "m.yaml", "--", SCRIPT, "--steps", "2", "--documents", "1",
+         "--compile", "--losses-out", "cp.json"], tmp_path)
     dp = recipe.config.mesh_shape[0]
     run([sys.executable, SCRIPT, "--model", str(MODEL), "--model-override", "num_hidden_layers=1", "--seq-len", "256",
-         "--batch", str(dp), "--documents", "4", "--steps", "2", "--losses-out", "one.json"], tmp_path)
+         "--batch", str(dp), "--documents", "1", "--steps", "2", "--losses-out", "one.json"], tmp_path)
     one, cp = losses(tmp_path / "one.json"), losses(tmp_path / "cp.json")
     assert cp["world"] == 2 and max(abs(x - y) for x, y in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
 
@@ -101,3 +97,53 @@ def test_bad_models_are_refused_by_name_before_any_rank_starts(tmp_path):
 
     out = CliRunner().invoke(main, ["search", "--model", str(MODEL), "--heads", "4", "--seq-len", "64"])
     assert out.exit_code == 1 and "a --model's come from its config" in out.output
+
+
+TRAINER = str(ROOT / "examples/train_hf_trainer.py")
+
+
+@pytest.mark.parametrize("nproc,mesh,extra", [
+    (2, (1, 2), ["--grad-accum", "2"]),                       # packed (DataCollatorWithFlattening), accumulation
+    (4, (2, 2), ["--unpacked", "64", "--per-device-batch", "2"]),  # fixed-length rows, two replicas
+])
+def test_hf_trainer_under_cp_equals_a_one_process_trainer(tmp_path, nproc, mesh, extra):
+    pytest.importorskip("accelerate")
+    import torch
+
+    _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=64), mesh, "examples/train_hf_trainer.py")
+    run([sys.executable, TRAINER, "--model", str(MODEL), "--plain", "--replicas", str(mesh[0]), *extra,
+         "--out", "one.pt"], tmp_path)
+    run([*torchrun(nproc), TRAINER, "--recipe", "r.yaml", *extra, "--out", "cp.pt"], tmp_path)
+    one, cp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "cp.pt")
+    steps = 3 * (2 if "--grad-accum" in extra else 1)
+    assert (cp["dp"], cp["cp"], cp["cp_steps"]) == (*mesh, steps) and len(one["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(cp["losses"], one["losses"])) <= 1e-5, (cp["losses"], one["losses"])
+    assert max((one["params"][k] - cp["params"][k]).abs().max().item() for k in one["params"]) <= 1e-5
+
+
+def test_hf_trainer_refuses_a_padding_collator_by_name(tmp_path):
+    pytest.importorskip("accelerate")
+    import torch
+
+    import cptune.hf
+
+    model = cptune.models.build_model(cptune.models.load_config(MODEL), "cpu")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = cptune.hf.Trainer(model=model, args=args, train_dataset=[{"input_ids": [1, 2]}])
+    ids = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    with pytest.raises(cptune.ValidationError, match=r"attention_mask: masks some tokens .*DataCollatorWithFlattening"):
+        trainer.training_step(trainer.model, {"input_ids": ids, "labels": ids, "attention_mask": mask})
+
+
+def test_check_says_when_a_rank_here_cannot_hold_the_measured_peak(tmp_path):
+    from cptune.recipe import check_recipe
+
+    path = _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=64), (1, 2))
+    recipe = cptune.load_recipe(path)
+    fits = recipe.model_copy(update={"metrics": Metrics(measured=True, peak_bytes_per_rank=[2**20, 2**20])})
+    huge = recipe.model_copy(update={"metrics": Metrics(measured=True, peak_bytes_per_rank=[2**20, 2**50])})
+    assert not [p for p in check_recipe(fits) if p.argument == "metrics.peak_bytes_per_rank"]
+    [problem] = [p for p in check_recipe(huge) if p.argument == "metrics.peak_bytes_per_rank"]
+    assert "1024.00TiB per rank, is more than a rank has here" in problem.message and "RAM over 2 ranks" in problem.message

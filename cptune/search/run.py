@@ -19,7 +19,7 @@ from .measure import measure_on_rank
 from .memory import default_budget
 from .result import SearchResult
 from .settings import MeasureSettings, SearchSettings
-from ..models import attention_shape, load_config
+from ..models import attention_shape, load_config, training_problems
 from .steps import load_user_step
 
 DEFAULT_MARGIN = 0.05
@@ -61,7 +61,8 @@ def _check_model(workload: Workload) -> None:
     differ = [f"{k}={getattr(workload, k)} (the model's: {v})" for k, v in shape.items()
               if getattr(workload, k) != v and not (k == "kv_heads" and workload.kv_heads is None and v == shape["heads"])]
     raise_if([Problem("workload", f"differs from --model {workload.model}: {', '.join(differ)}",
-                      "build it with cptune.models.model_workload(path, overrides, seq_len=...)")] if differ else [])
+                      "build it with cptune.models.model_workload(path, overrides, seq_len=...)")] if differ else []
+             + training_problems(workload.ac, workload.compile))
 
 
 def search(

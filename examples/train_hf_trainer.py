@@ -1,0 +1,96 @@
+"""Train a transformers causal LM with the HF Trainer under context parallelism (cptune.hf.Trainer).
+
+    python examples/train_hf_trainer.py --model tests/models/tiny-llama --plain      # one process, transformers.Trainer
+    torchrun --standalone --nproc-per-node=2 examples/train_hf_trainer.py --model tests/models/tiny-llama
+    cptune launch RECIPE -- examples/train_hf_trainer.py                             # the recipe's config and model
+
+The only change from a plain Trainer script is the class: ``cptune.hf.Trainer(..., recipe=...)``
+(or ``config=cptune.CPConfig(...)``; default ``$CPTUNE_RECIPE``). Documents are packed the way
+transformers packs them, ``DataCollatorWithFlattening`` (one row per batch, position ids restarting
+at each document, no attention mask, no padding); ``--unpacked`` uses fixed-length rows instead.
+Each data-parallel replica reads ``--per-device-batch`` documents (or rows) per micro-batch; with
+``--plain`` one process reads all replicas' at once, so the global batch is the same and the
+losses and parameters after the steps agree (``--out`` writes both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+import cptune
+import cptune.hf
+from cptune import models
+
+
+class Documents(torch.utils.data.Dataset):
+    """Synthetic tokenized documents (lengths multiples of 16, so a packed row splits evenly over CP ranks)."""
+
+    def __init__(self, count: int, vocab: int, unpacked_len: int | None = None) -> None:
+        gen, self.items = torch.Generator().manual_seed(0), []
+        for i in range(count):
+            n = unpacked_len or 16 * (1 + i % 4)
+            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
+            self.items.append({"input_ids": ids, "labels": list(ids)} if unpacked_len else {"input_ids": ids})
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="Model directory or config.json (default: the recipe's)")
+    parser.add_argument("--model-override", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--recipe", default=None, help="Recipe (default: $CPTUNE_RECIPE)")
+    parser.add_argument("--plain", action="store_true", help="transformers.Trainer, one process (the reference)")
+    parser.add_argument("--replicas", type=int, default=1, help="With --plain: the dp replicas to stand in for")
+    parser.add_argument("--unpacked", type=int, default=None, metavar="SEQ_LEN", help="Fixed-length rows, no packing")
+    parser.add_argument("--per-device-batch", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--output-dir", default="trainer-out")
+    parser.add_argument("--out", default=None, help="Write the losses and final parameters here (torch.save)")
+    args = parser.parse_args()
+
+    import transformers
+
+    if "RANK" not in os.environ:
+        torch.set_num_threads(1)
+    recipe = cptune.load_recipe(args.recipe or os.environ["CPTUNE_RECIPE"]) if (
+        args.recipe or os.environ.get("CPTUNE_RECIPE")) else None
+    path = args.model or (recipe.workload.model if recipe else None)
+    if path is None:
+        raise SystemExit("give --model PATH, or a recipe from cptune search --model")
+    overrides = models.parse_overrides(args.model_override) or (recipe.workload.model_overrides if recipe else None)
+    config = models.load_config(path, overrides)
+    torch.manual_seed(0)
+    model = models.build_model(config, "cpu")
+    dataset = Documents(64, config.get_text_config().vocab_size, args.unpacked)
+    collator = transformers.default_data_collator if args.unpacked else transformers.DataCollatorWithFlattening()
+    training = transformers.TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, learning_rate=1e-3, lr_scheduler_type="constant",
+        per_device_train_batch_size=args.per_device_batch * (args.replicas if args.plain else 1),
+        gradient_accumulation_steps=args.grad_accum, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=not torch.cuda.is_available(), train_sampling_strategy="sequential", seed=0,
+        dataloader_drop_last=True, remove_unused_columns=False, disable_tqdm=True)
+    kwargs = dict(model=model, args=training, train_dataset=dataset, data_collator=collator)
+    trainer = transformers.Trainer(**kwargs) if args.plain else cptune.hf.Trainer(**kwargs, recipe=recipe)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if trainer.is_world_process_zero():
+        print("losses", " ".join(f"{x:.6f}" for x in losses))
+        if args.out:
+            params = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+            torch.save({"losses": losses, "params": params, "dp": getattr(trainer, "dp", 1),
+                        "cp": getattr(trainer, "cp", 1), "cp_steps": getattr(trainer, "cp_steps", 0)}, args.out)
+            print(json.dumps({"written": args.out}))
+
+
+if __name__ == "__main__":
+    main()
