@@ -79,14 +79,15 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, ar
     data = json.loads(found.read_text())
     if "model_type" not in data:
         raise ValidationError([Problem(argument, f"{found} has no model_type", "use a transformers config.json")])
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in data.items() if k != "transformers_version"})
-    unknown = [k for k in (overrides or {}) if not hasattr(config, k)]
+    fields = {k: v for k, v in data.items() if k != "transformers_version"}
+    known = transformers.AutoConfig.for_model(**fields)
+    unknown = [k for k in (overrides or {}) if not hasattr(known, k)]
     if unknown:
         raise ValidationError([Problem("--model-override", f"{', '.join(unknown)}: not fields of this "
-                                       f"{type(config).__name__}", "use field names from its config.json, e.g. "
+                                       f"{type(known).__name__}", "use field names from its config.json, e.g. "
                                        "num_hidden_layers")])
-    for key, value in (overrides or {}).items():
-        setattr(config, key, value)
+    # applied before the config is made, so fields derived from them (head_dim from hidden_size) follow
+    config = transformers.AutoConfig.for_model(**{**fields, **(overrides or {})})
     config.use_cache = False
     return config
 

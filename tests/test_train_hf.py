@@ -89,6 +89,9 @@ def test_bad_models_are_refused_by_name_before_any_rank_starts(tmp_path):
         cptune.models.load_config(MODEL, {"num_layers": 1})
     with pytest.raises(cptune.ValidationError, match=r"--model-override: 'layers' is not KEY=VALUE"):
         cptune.models.parse_overrides(["layers"])
+    # an override applies before the config is made: what derives from it follows (head_dim from hidden_size)
+    assert cptune.models.attention_shape(cptune.models.load_config(MODEL, {"hidden_size": 128})) == \
+        {"heads": 4, "kv_heads": 2, "head_dim": 32, "layers": 2}
     assert cptune.models.parse_overrides(["num_hidden_layers=1", "rope_theta=1e6", "name=x"]) == \
         {"num_hidden_layers": 1, "rope_theta": 1e6, "name": "x"}
     with pytest.raises(cptune.ValidationError, match=r"differs from --model .*heads=8 \(the model's: 4\).*model_workload"):
