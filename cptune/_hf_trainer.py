@@ -55,9 +55,12 @@ def _targets(batch: dict[str, Any]) -> torch.Tensor:
 class Trainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose training steps run under context parallelism (see the module)."""
 
-    def __init__(self, *args: Any, config: ConfigLike = None, recipe: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, config: ConfigLike = None, recipe: Any = None, shuffle: bool | None = None,
+                 **kwargs: Any) -> None:
+        """``shuffle``: whether each epoch's order is shuffled (the same on a replica's CP ranks); None: unless
+        ``args.train_sampling_strategy`` is "sequential"."""
         super().__init__(*args, **kwargs)
-        self.cp_config, self.cp_recipe = config, recipe
+        self.cp_config, self.cp_recipe, self.cp_shuffle = config, recipe, shuffle
         self.dp, self.cp, self.replica = replica(config=config, recipe=recipe)
         self.cp_steps = 0  # micro-batches run sharded over more than one CP rank
         enable(self.model)
@@ -66,7 +69,8 @@ class Trainer(transformers.Trainer):
         """This replica's batches: the same on each of its CP ranks, other rows on other replicas."""
         raise_if([] if self.train_dataset is not None else [Problem("train_dataset", "is None", "give one")])
         sampler = DistributedSampler(self.train_dataset, num_replicas=self.dp, rank=self.replica,
-                                     shuffle=getattr(self.args, "train_sampling_strategy", "random") != "sequential",
+                                     shuffle=self.cp_shuffle if self.cp_shuffle is not None else
+                                     getattr(self.args, "train_sampling_strategy", "random") != "sequential",
                                      seed=self.args.seed, drop_last=self.args.dataloader_drop_last)
         return _ReplicaLoader(self.train_dataset, batch_size=self._train_batch_size, sampler=sampler,
                               collate_fn=self.data_collator, drop_last=self.args.dataloader_drop_last,

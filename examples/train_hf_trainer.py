@@ -34,13 +34,27 @@ class Documents(torch.utils.data.Dataset):
         for i in range(count):
             n = unpacked_len or 16 * (1 + i % 4)
             ids = torch.randint(0, vocab, (n,), generator=gen).tolist()
-            self.items.append({"input_ids": ids, "labels": list(ids)} if unpacked_len else {"input_ids": ids})
+            # unpacked rows: the first label masked, as a BOS token's is; transformers 4.56's own Trainer counts
+            # num_items_in_batch over unshifted labels (one target per row too many otherwise; 5.24 does not)
+            self.items.append({"input_ids": ids, "labels": [-100] + ids[1:]} if unpacked_len else {"input_ids": ids})
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> dict:
         return self.items[i]
+
+
+def _sequential_trainer():
+    import transformers
+
+    class Sequential(transformers.Trainer):
+        """transformers' Trainer reading the dataset in order (train_sampling_strategy="sequential" where it exists)."""
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    return Sequential
 
 
 def main() -> None:
@@ -60,6 +74,7 @@ def main() -> None:
 
     import transformers
 
+    Sequential = _sequential_trainer()
     if "RANK" not in os.environ:
         torch.set_num_threads(1)
     recipe = cptune.load_recipe(args.recipe or os.environ["CPTUNE_RECIPE"]) if (
@@ -77,10 +92,11 @@ def main() -> None:
         output_dir=args.output_dir, max_steps=args.steps, learning_rate=1e-3, lr_scheduler_type="constant",
         per_device_train_batch_size=args.per_device_batch * (args.replicas if args.plain else 1),
         gradient_accumulation_steps=args.grad_accum, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=not torch.cuda.is_available(), train_sampling_strategy="sequential", seed=0,
-        dataloader_drop_last=True, remove_unused_columns=False, disable_tqdm=True)
+        use_cpu=not torch.cuda.is_available(), seed=0, dataloader_drop_last=True, remove_unused_columns=False,
+        disable_tqdm=True)
     kwargs = dict(model=model, args=training, train_dataset=dataset, data_collator=collator)
-    trainer = transformers.Trainer(**kwargs) if args.plain else cptune.hf.Trainer(**kwargs, recipe=recipe)
+    # in order, so that one process reads the batches the replicas read (all of them at once)
+    trainer = Sequential(**kwargs) if args.plain else cptune.hf.Trainer(**kwargs, recipe=recipe, shuffle=False)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
