@@ -34,6 +34,12 @@ def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(-1).reshape(position_ids.shape)
 
 
+def packed_documents(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """:func:`documents_from_position_ids`, or None when every row holds one document (nothing is packed)."""
+    ids = documents_from_position_ids(position_ids)
+    return ids if bool((ids[..., -1] > 0).any()) else None
+
+
 def documents_from_lengths(lengths: Sequence[int] | Sequence[Sequence[int]], seq_len: int | None = None) -> torch.Tensor:
     """Document ids from document lengths: one list (one row) or one list per batch row; each row's
     lengths must add up to ``seq_len`` (default: the first row's total). Shape (B, S)."""

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._documents import documents_from_cu_seqlens, documents_from_position_ids
+from ._documents import documents_from_cu_seqlens, packed_documents
 from ._loss import IGNORE_INDEX
 from ._session import active
 from .context import scaled_dot_product_attention
@@ -36,8 +36,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         window = (int(window) - 1, 0)  # transformers: kv_idx > q_idx - sliding_window
     documents = None
     if active() is None and attention_mask is None and kwargs.get("position_ids") is not None:
-        ids = documents_from_position_ids(kwargs["position_ids"])
-        documents = ids if bool((ids[..., -1] > 0).any()) else None
+        documents = packed_documents(kwargs["position_ids"])
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                                        is_causal=causal, enable_gqa=key.shape[1] != query.shape[1],
                                        window=window, documents=documents)
@@ -78,8 +77,8 @@ def _packed_documents(session: Any, given: dict[str, Any]) -> None:
     full = session.full_tensor(positions)
     if full is None:  # not one of the block's buffers: gather it (every rank runs this hook)
         full = session.unshard(positions, positions.ndim - 1) if session.cp > 1 else positions
-    ids = documents_from_position_ids(full)
-    if bool((ids[..., -1] > 0).any()):
+    ids = packed_documents(full)
+    if ids is not None:
         session.use_documents(ids, "position_ids")
 
 

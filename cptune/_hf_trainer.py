@@ -33,7 +33,7 @@ import transformers
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ._hf import enable
-from ._documents import documents_from_position_ids
+from ._documents import packed_documents
 from ._loss import IGNORE_INDEX, shift_labels
 from .config import ConfigLike
 from .context import context_parallel, replica
@@ -107,8 +107,7 @@ class Trainer(transformers.Trainer):
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         positions = positions.contiguous()  # a buffer is sharded in place: the model gets this very tensor
-        documents = documents_from_position_ids(positions)
-        documents = documents if bool((documents[..., -1] > 0).any()) else None
+        documents = packed_documents(positions)
         world = dist.get_world_size() if dist.is_initialized() else 1
         if num_items_in_batch is None:  # a caller other than the training loop: this batch alone
             num_items_in_batch = self.get_batch_samples(iter([{"input_ids": ids, "shift_labels": labels}]), 1,

@@ -47,17 +47,9 @@ def _init_torchrun() -> bool:
     """Inside torchrun (RANK set): join its process group. Returns whether this is rank 0."""
     if "RANK" not in os.environ:
         return True
-    import torch
-    import torch.distributed as dist
+    from .launch import init_rank
 
-    if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        else:
-            torch.set_num_threads(1)
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank() == 0
+    return init_rank()[2] == 0
 
 
 @main.command()

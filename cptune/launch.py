@@ -47,6 +47,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_rank() -> tuple[Any, int, int]:
+    """The start of a training process, under ``python`` or ``torchrun``: (device, world size, rank).
+
+    The device is LOCAL_RANK's GPU, else the CPU at one thread (ranks share the machine's cores);
+    under torchrun (RANK set) the process group is joined, nccl on GPUs, gloo on CPU. A process that
+    has joined one already keeps its settings.
+    """
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(1)
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl" if cuda else "gloo")
+    return (device, dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (device, 1, 0)
+
+
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,
             jobs: Any, results: Any, env: dict[str, str]) -> None:
     import signal

@@ -80,12 +80,11 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, ar
     if "model_type" not in data:
         raise ValidationError([Problem(argument, f"{found} has no model_type", "use a transformers config.json")])
     fields = {k: v for k, v in data.items() if k != "transformers_version"}
-    known = transformers.AutoConfig.for_model(**fields)
-    unknown = [k for k in (overrides or {}) if not hasattr(known, k)]
-    if unknown:
-        raise ValidationError([Problem("--model-override", f"{', '.join(unknown)}: not fields of this "
-                                       f"{type(known).__name__}", "use field names from its config.json, e.g. "
-                                       "num_hidden_layers")])
+    if overrides:  # checked against the config as saved (made with them, any name would be an attribute)
+        known = transformers.AutoConfig.for_model(**fields)
+        unknown = [k for k in overrides if not hasattr(known, k)]
+        raise_if([Problem("--model-override", f"{', '.join(unknown)}: not fields of this {type(known).__name__}",
+                          "use field names from its config.json, e.g. num_hidden_layers")] if unknown else [])
     # applied before the config is made, so fields derived from them (head_dim from hidden_size) follow
     config = transformers.AutoConfig.for_model(**{**fields, **(overrides or {})})
     config.use_cache = False

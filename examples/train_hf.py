@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import cptune
+import cptune.launch
 from cptune import models
 
 
@@ -157,15 +158,7 @@ def main() -> None:
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
-    if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    device, world, rank = cptune.launch.init_rank()  # under torchrun: the process group joined
 
     recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
     recipe = cptune.load_recipe(recipe_path) if recipe_path else None

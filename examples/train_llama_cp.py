@@ -38,6 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cptune
+import cptune.launch
 
 
 class RMSNorm(nn.Module):
@@ -143,15 +144,8 @@ def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.de
     seq = torch.cat(tokens, dim=1)
     noise = torch.rand(seq.shape, generator=gen) < 0.1
     seq = torch.where(noise, torch.randint(0, vocab, seq.shape, generator=gen), seq)
-    positions = torch.arange(seq_len).expand(batch, seq_len)
-    labels = cptune.shift_labels(seq)
-    if documents is not None:
-        starts = torch.ones(seq_len, dtype=torch.bool)
-        starts[1:] = documents[0, 1:] != documents[0, :-1]
-        first = torch.cummax(torch.where(starts, torch.arange(seq_len), 0), 0).values
-        positions = (torch.arange(seq_len) - first).expand(batch, seq_len)
-        labels[:, torch.cat([starts[1:], torch.tensor([True])])] = -100  # a document's last token: no target
-    return seq.to(device), labels.to(device), positions.contiguous().to(device)
+    labels, positions = cptune.packed_labels_and_positions(seq, documents)
+    return seq.to(device), labels.to(device), positions.to(device)
 
 
 def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2):
@@ -190,15 +184,7 @@ def main() -> None:
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)
-    if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    device, world, rank = cptune.launch.init_rank()  # under torchrun: the process group joined
 
     recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
     recipe = cptune.load_recipe(recipe_path) if recipe_path else None
