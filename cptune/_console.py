@@ -24,7 +24,7 @@ def progress():
         left = f", ~{duration(elapsed / done * (total - done))} left" if 0 < done < total else ""
         peak = f"peak {format_size(record.peak_bytes)}" if record.peak_bytes else ""
         click.echo(f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total} {duration(elapsed)} elapsed{left} "
-                   f"{record.config.label():<32} {tps} {peak:<16} {record.state}"
+                   f"{record.label:<32} {tps} {peak:<16} {record.state}"
                    f"{': ' + record.reason if record.reason else ''}", err=True)
     return show
 
@@ -54,7 +54,7 @@ def report_search(results, as_json: bool, out: str | None, script: str | None) -
         click.echo("\nbest per sequence length:")
         previous = None
         for r in results:
-            label = r.best.config.label() if r.best else "nothing fits"
+            label = r.best.label if r.best else "nothing fits"
             change = "" if previous in (None, label) else f"   <- changes (was {previous})"
             click.echo(f"  S={r.workload.seq_len:<8} {label}{change}")
             previous = label
@@ -70,7 +70,7 @@ def print_result(result) -> None:
     click.echo(f"({result.LEGEND})")
     best = result.best
     if best is not None:
-        click.echo(f"\nbest: {best.config.label()}  {best.tokens_per_s:,.0f} tokens/s")
+        click.echo(f"\nbest: {best.label}  {best.tokens_per_s:,.0f} tokens/s")
         for kind, note in (("race", result.race_note()), ("tie", result.tie_note()),
                            ("note", result.dp_only_note())):
             if note:

@@ -63,8 +63,8 @@ def _init_torchrun() -> bool:
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layers", type=int, default=1, show_default=True, help="Attention layers in the proxy step.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile each proxy layer (compile time reported apart).")
-@click.option("--ac", type=click.Choice(["none", "full", "selective"]), default="none", show_default=True,
-              help="Activation checkpointing per proxy layer, as the training run will use.")
+@click.option("--ac", type=click.Choice(["none", "full", "selective", "auto"]), default="none", show_default=True,
+              help="Activation checkpointing per layer, as the training run will use; auto: search all three.")
 @click.option("--workload", "step", default=None, metavar="MODULE:FUNCTION",
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
 @click.option("--model", default=None, metavar="PATH",
@@ -87,6 +87,7 @@ def _init_torchrun() -> bool:
 @click.option("--timeout", type=float, default=None, help="Stop starting trials after this many seconds.")
 @click.option("--trial-timeout", type=float, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
 @click.option("--sampler", type=click.Choice(["auto", "grid", "tpe"]), default="auto", show_default=True)
+@click.option("--exhaustive", is_flag=True, help="Measure every config: the plan orders trials but skips none.")
 @click.option("--min-seconds", type=float, default=1.0, show_default=True,
               help="Timing scale: screening and each race round time a config for a quarter of this "
                    "(and of the 20-step cap; 1 step at least).")
@@ -97,7 +98,8 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
            documents, window,
            nproc, device,
            memory_budget, memory_margin, storage,
-           study_name, n_trials, timeout, trial_timeout, sampler, min_seconds, out, script, as_json) -> None:
+           study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, min_seconds, out, script,
+           as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
 
     \b
@@ -142,7 +144,7 @@ def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, com
             found = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc,
                                device=device, memory_budget=memory_budget, memory_margin=memory_margin,
                                storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
-                               trial_timeout=trial_timeout, sampler=sampler,
+                               trial_timeout=trial_timeout, sampler=sampler, exhaustive=exhaustive,
                                settings=MeasureSettings(min_seconds=min_seconds), progress=progress())
             if found is not None:  # None: a torchrun rank other than 0
                 results = found if isinstance(found, list) else [found]
@@ -221,6 +223,9 @@ def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> Non
     if overrides:
         click.echo(f"cptune launch: {patched.metrics.note}", err=True)
         recipe_abs = str(save_recipe(patched, Path(_launch_dir()) / Path(recipe_path).name))
+    if recipe.metrics.predicted_by:
+        click.echo(f"cptune launch: {recipe_path} is predicted by cptune plan, not measured: its figures are "
+                   "estimates (measure with cptune search on these GPUs)", err=True)
     if dry_run:
         click.echo(shlex.join([f"{ENV_VAR}={recipe_abs}", *argv]))
         return
@@ -260,7 +265,11 @@ def show(recipe_path, as_json) -> None:
                + (f", ulysses_degree {c.ulysses_degree}" if c.ulysses_degree else "") + ")"))
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
                f"script {recipe.launch.script or '(give one after --)'}")
-    status, why = recipe.figures_status(), {
+    if m.predicted_by:  # cptune plan's figures, for hardware not at hand
+        click.echo(f"predicted: {m.tokens_per_s / p.device_count:,.0f} tokens/s per GPU, step {m.step_time_s:.3f}s, "
+                   f"peak/GPU {format_size(max(m.peak_bytes_per_rank or [0]))} (budget {format_size(m.memory_budget)}) "
+                   f"by {m.predicted_by}")
+    status, why = "not measured" if m.predicted_by else recipe.figures_status(), {
         "edited after measuring": "no: edited after measuring, the figures are for another configuration "
                                   "(re-run cptune search)",
         "not verifiable (no digest)": "not verifiable: the recipe has no digest, so its figures cannot be "
@@ -339,3 +348,9 @@ def copy_recipe(name, dest) -> None:
     from .catalog import copy_shipped
 
     click.echo(f"copied: {copy_shipped(name, dest)}")
+
+
+from ._cli_plan import plan_command, probe_command  # noqa: E402  (their own module: cli.py stays short)
+
+main.add_command(plan_command)
+main.add_command(probe_command)

@@ -79,6 +79,8 @@ class Metrics(StrictModel):
     digest: str | None = None
     """A hash of what was measured and found (workload, config, ranks, provenance, metrics): an edit shows up
     as a mismatch, and a recipe without one cannot be verified."""
+    predicted_by: str | None = None
+    """Set by cptune plan: the figures are its predictions (for hardware not at hand), not measurements."""
     note: str = ""
 
 
@@ -206,15 +208,20 @@ class Recipe(StrictModel):
             return None
         if self.edited:
             return "edited after measuring"
+        if self.metrics.predicted_by:
+            return f"predicted, not measured ({self.metrics.predicted_by})"
         return "not verifiable (no digest)" if self.metrics.measured else "not measured"
 
     def header(self, path: str | os.PathLike | None = None) -> str:
         where = path or "RECIPE.yaml"
-        lines = [f"# {shlex.join([f'{ENV_VAR}={where}', *self.torchrun_args('SCRIPT.py' if not self.launch.script else None)])}",
+        endpoint = "NODE0_HOST:29500" if self.launch.rdzv_endpoint.startswith("HOST") else None  # several nodes
+        lines = [f"# {shlex.join([f'{ENV_VAR}={where}', *self.torchrun_args('SCRIPT.py' if not self.launch.script else None, rdzv_endpoint=endpoint)])}",
                  f"# or: cptune launch {where}{'' if self.launch.script else ' -- SCRIPT.py [ARGS]'}"]
         if self.metrics.measured:
             lines.append(f"# measured by cptune search on {self.provenance.device_count} x {self.provenance.device} "
                          f"({self.provenance.backend}), {self.provenance.date}")
+        elif self.metrics.predicted_by:
+            lines.append(f"# PREDICTED, NOT MEASURED: by {self.metrics.predicted_by}; measure with cptune search")
         else:
             lines.append("# NOT MEASURED: written by hand or from defaults; run cptune search to measure")
         return "\n".join(lines) + "\n"
@@ -306,7 +313,7 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
         raise CPTuneError("the search found no feasible configuration; nothing to write")
     env = environment(result.device, result.world_size, result.nproc_per_node).provenance()
     recipe = Recipe(
-        workload=result.workload,
+        workload=result.workload.model_copy(update={"ac": best.ac}) if best.ac else result.workload,
         config=best.config,
         launch=Launch(nnodes=nnodes, nproc_per_node=result.nproc_per_node, args=list(args or []),
                       script=script or (MODEL_SCRIPT if result.workload.model else None)),
@@ -315,7 +322,7 @@ def recipe_from_search(result: Any, script: str | None = None, args: list[str] |
         metrics=Metrics(measured=True, tokens_per_s=best.tokens_per_s, step_time_s=best.step_time_s,
                         peak_bytes_per_rank=best.peak_per_rank, memory_budget=result.memory_budget,
                         compile_s=best.compile_s, memory_margin=result.memory_margin, headroom=best.headroom,
-                        equivalent=[r.config.label() for r in result.tie],
+                        equivalent=[r.label for r in result.tie],
                         note=f"best of {len(result.trials)} trials; "
                              f"{sum(r.state == 'ok' for r in result.trials)} feasible"
                              + (f"; tie: {result.tie_note()}" if result.tie else "")),

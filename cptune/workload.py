@@ -12,7 +12,7 @@ from .config import StrictModel
 from .errors import Problem, ProblemError, ValidationError
 
 DType = Literal["float32", "bfloat16", "float16"]
-AC = Literal["none", "full", "selective"]
+AC = Literal["none", "full", "selective", "auto"]
 
 
 class Workload(StrictModel):
@@ -30,8 +30,9 @@ class Workload(StrictModel):
     """Attention layers in the proxy step; each keeps its activations for backward, as a model's do."""
     compile: bool = False
     """torch.compile each proxy layer (compile time is measured apart from the step time)."""
-    ac: AC = Field("none", json_schema_extra={"fix": "use --ac none, full or selective"})
-    """Activation checkpointing per proxy layer: full, or selective (keeps the ring attention's output)."""
+    ac: AC = Field("none", json_schema_extra={"fix": "use --ac none, full, selective or auto"})
+    """Activation checkpointing per proxy layer: full, or selective (keeps the ring attention's output); ``auto``:
+    a searched dimension (each trial runs one of none, selective, full)."""
     step: str | None = Field(None, json_schema_extra={
         "fix": "give --workload as 'module:function' naming an importable function"})
     """'module:function' building the user's step (see :func:`load_user_step`); None: the proxy."""

@@ -150,10 +150,11 @@ def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.de
 
 def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2):
     """For ``cptune search --workload examples.train_llama_cp:search_step``: this model's step
-    (``layers`` deep, as this script trains it)."""
+    (``layers`` deep, as this script trains it), with the trial's activation checkpointing and compile."""
     torch.manual_seed(0)
     model = Llama(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads,
                   dim=workload.heads * workload.head_dim, layers=layers).to(device)
+    model = parallelize(model, workload.ac, workload.compile)  # as the search measures this trial
     input_ids, labels, positions = make_batch(0, workload.batch, workload.seq_len, 256, device,
                                               workload.document_ids())  # the search passes the block the same
 

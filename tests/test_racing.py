@@ -29,7 +29,7 @@ def _drifting(true_tps, drift):
 def test_paired_rounds_in_alternating_order_cancel_a_drifting_machine():
     # B is truly 2.5 % slower; every run is 5 % faster than the one before it.
     measure, calls = _drifting({config_key(A): 1.0, config_key(B): 0.975}, 0.95)
-    out = racing.race(_record(0, A), [_record(1, B)], config_key, measure)
+    out = racing.race(_record(0, A), [_record(1, B)], lambda r: r.key, measure)
     assert calls == [config_key(A), config_key(B), config_key(B), config_key(A),
                                                           config_key(A), config_key(B), config_key(B), config_key(A)]
     assert len(out["rounds"]) == racing.RACE_ROUNDS == 4
@@ -40,13 +40,13 @@ def test_paired_rounds_in_alternating_order_cancel_a_drifting_machine():
 
 def test_a_clear_loser_leaves_after_one_round_and_a_failed_run_leaves_the_race():
     measure, calls = _drifting({config_key(A): 1.0, config_key(B): 0.85, config_key(DP): 0.99}, 1.0)
-    out = racing.race(_record(0, A), [_record(1, B), _record(2, DP)], config_key, measure)
+    out = racing.race(_record(0, A), [_record(1, B), _record(2, DP)], lambda r: r.key, measure)
     assert calls[:3] == [config_key(A), config_key(B), config_key(DP)] and config_key(B) not in calls[3:]
     assert out["survivors"] == [config_key(A), config_key(DP)]
     assert out["out"][config_key(B)]["round"] == 1 and abs(out["out"][config_key(B)]["relative"] - 0.85) < 1e-9
     line = racing.summary(out, lambda k: k.split("-")[2])
     assert line.startswith("4 paired round(s)") and "out: allgather after round 1 (0.85)" in line
-    failing = racing.race(_record(0, A), [_record(1, B)], config_key,
+    failing = racing.race(_record(0, A), [_record(1, B)], lambda r: r.key,
                           lambda r: None if r.config == B else 1.0)
     assert failing["survivors"] == [config_key(A)] and len(failing["rounds"]) == 1
     assert failing["out"] == {config_key(B): {"round": 1, "relative": None}}
@@ -87,7 +87,7 @@ def test_the_race_stops_once_no_survivor_can_beat_the_tie_rules_pick_by_more_tha
     truth = {config_key(DP): 1.0, config_key(B): 0.955}
     pick = lambda alive: racing.choose(alive, None)  # noqa: E731
     measure, calls = _drifting(truth, 1.0)
-    out = racing.race(_record(0, DP), [_record(1, B)], config_key, measure, pick=pick)
+    out = racing.race(_record(0, DP), [_record(1, B)], lambda r: r.key, measure, pick=pick)
     # after 1 round B could still be up to 10 % better than measured (0.955 > 1 + 3 % - 10 %);
     # after 2, the margin is 7.1 %: 0.955 <= 0.959, so more rounds cannot change the pick by more than 3 %
     assert len(out["rounds"]) == 2 and out["settled"] == 2 and len(calls) == 4
@@ -97,17 +97,17 @@ def test_the_race_stops_once_no_survivor_can_beat_the_tie_rules_pick_by_more_tha
     assert "stopped: none of them can be more than 3% faster" in racing.summary(out, str)
     # 2.5 % below the pick after 3 rounds (bound 1 + 3 % - 5.8 %): stops there, and the two are a tie
     measure, calls = _drifting({config_key(DP): 1.0, config_key(B): 0.971}, 1.0)
-    tie = racing.race(_record(0, DP), [_record(1, B)], config_key, measure, pick=pick)
+    tie = racing.race(_record(0, DP), [_record(1, B)], lambda r: r.key, measure, pick=pick)
     assert tie["settled"] == 3 and tie["survivors"] == [config_key(DP), config_key(B)] and not tie["out"]
     # without the tie rule it runs all four rounds: B stays within the margin (5 %) to the end, and
     # is then out as more than 3 % slower than the best, not a tie the tie rule could pick it from
     measure, calls = _drifting(truth, 1.0)
-    full = racing.race(_record(0, DP), [_record(1, B)], config_key, measure)
+    full = racing.race(_record(0, DP), [_record(1, B)], lambda r: r.key, measure)
     assert len(full["rounds"]) == 4 and full["settled"] is None and full["survivors"] == [config_key(DP)]
     assert full["out"][config_key(B)]["round"] == 4
     # when the pick is the slower one (B has less memory), the race goes on: B may be the worse choice
     measure, calls = _drifting(truth, 1.0)
-    lean = racing.race(_record(0, DP, 2**30), [_record(1, B, 2**29)], config_key, measure, pick=pick)
+    lean = racing.race(_record(0, DP, 2**30), [_record(1, B, 2**29)], lambda r: r.key, measure, pick=pick)
     assert len(lean["rounds"]) == 4 and lean["settled"] is None
     assert lean["survivors"] == [config_key(DP)]  # 4.5 % slower after four rounds: leaner, but not a tie
 

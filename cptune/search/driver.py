@@ -18,6 +18,7 @@ from ..config import CPConfig
 from ..workload import Workload
 from . import racing
 from .evaluate import SPMDEvaluator, TrialFailed
+from .guide import Guide
 from .interrupts import Interrupts, SearchInterrupted
 from .measure import summarize
 from .memory import PRUNE_FACTOR, predict_peak
@@ -58,13 +59,37 @@ class _StudyRun:
         self.evaluator, self.study, self.workload, self.settings = evaluator, study, workload, settings
         self.progress, self.interrupts = progress, interrupts
         self.axes = axes(workload, evaluator.world_size, evaluator.device_type)
-        self.done = finished(study, settings.budget)
+        self.done = finished(study, settings.budget, rerun_skipped=settings.exhaustive)
         self.open_points: dict[str, dict] = {}  # one parameter set per distinct configuration, in search order
         for p in itertools.product(*self.axes.as_dict().values()):
             params = dict(zip(self.axes.as_dict(), p))
-            self.open_points.setdefault(config_key(config_from(params)), params)
+            self.open_points.setdefault(config_key(config_from(params), params.get("ac")), params)
         self.wanted = set(self.open_points)
         self.baseline = 0
+        self.guide: Guide | None = None
+
+    def _workload(self, ac: str | None) -> Workload:
+        return self.workload.model_copy(update={"ac": ac}) if ac else self.workload
+
+    def _start_guide(self) -> None:
+        """The plan for this machine, calibrated on what the study measured already (a resumed search)."""
+        ev, s = self.evaluator, self.settings
+        name = environment(ev.device_type, ev.world_size, ev.nproc_per_node).device_name
+        self.guide = Guide(self.workload, ev.device_type, name, ev.nproc_per_node, s.budget, self.baseline)
+        for key, t in self.done.items():
+            if t.state == optuna.trial.TrialState.COMPLETE and key in self.open_points:
+                params = self.open_points[key]
+                self.guide.observe(key, config_from(params), params.get("ac"), t.user_attrs.get("step_time_s"),
+                                   t.user_attrs.get("peak_bytes"))
+
+    def _next_open(self) -> str:
+        todo = {k: (config_from(p), p.get("ac")) for k, p in self.open_points.items() if k not in self.done}
+        return self.guide.order(todo)[0] if self.guide is not None else next(iter(todo))
+
+    def _best_measured(self) -> float | None:
+        ok = [t.value for t in self.done.values() if t.state == optuna.trial.TrialState.COMPLETE
+              and t.user_attrs.get("feasible") and t.value]
+        return max(ok) if ok else None
 
     def run(self, storage) -> SearchResult:
         s, world = self.settings, self.evaluator.world_size
@@ -72,6 +97,8 @@ class _StudyRun:
         if self.wanted - set(self.done):
             with self.interrupts.immediate():
                 self.baseline = self.evaluator.baseline([m for m in mesh_shapes(world) if m[1] > 1])
+            self.study.set_user_attr("baseline_bytes", self.baseline)  # what the plan's memory starts from
+            self._start_guide()
         started, evaluated, duplicates = time.monotonic(), 0, 0
         while self.wanted - set(self.done):
             self.interrupts.check()
@@ -80,27 +107,32 @@ class _StudyRun:
             if s.timeout is not None and time.monotonic() - started >= s.timeout:
                 break
             if exhaustive or duplicates >= 10:  # next open configuration (TPE: it kept proposing finished ones)
-                open_key = next(k for k in self.open_points if k not in self.done)
-                self.study.enqueue_trial(self.open_points[open_key], skip_if_exists=True)
+                self.study.enqueue_trial(self.open_points[self._next_open()], skip_if_exists=True)
                 duplicates = 0
             trial = self.study.ask()
-            config = config_from({k: trial.suggest_categorical(k, v) for k, v in self.axes.as_dict().items()})
-            key = config_key(config)
+            params = {k: trial.suggest_categorical(k, v) for k, v in self.axes.as_dict().items()}
+            config, ac = config_from(params), params.get("ac")
+            key = config_key(config, ac)
             trial.set_user_attr("key", key)
             trial.set_user_attr("config", config.model_dump(mode="json"))
+            if ac:
+                trial.set_user_attr("ac", ac)
             if key in self.done:  # never run a finished configuration twice
                 duplicates += 1
                 self._tell_duplicate(trial, self.done[key])
                 continue
             duplicates = 0
             try:
-                frozen = self._evaluate(trial, config)
+                frozen = self._evaluate(trial, config, key, ac)
             except SearchInterrupted:
                 if running(self.study, trial.number):
                     trial.set_user_attr("reason", INTERRUPTED)  # measured again on resume
                     self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
             self.done[key] = frozen
+            if self.guide is not None and frozen.state == optuna.trial.TrialState.COMPLETE:
+                self.guide.observe(key, config, ac, frozen.user_attrs.get("step_time_s"),
+                                   frozen.user_attrs.get("peak_bytes"))
             evaluated += 1
             if self.progress is not None:
                 self.progress(record_from(frozen, s.budget, s.margin), len(set(self.done) & self.wanted),
@@ -120,13 +152,23 @@ class _StudyRun:
         else:
             self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
 
-    def _evaluate(self, trial: optuna.Trial, config: CPConfig) -> optuna.trial.FrozenTrial:
+    def _evaluate(self, trial: optuna.Trial, config: CPConfig, key: str, ac: str | None) -> optuna.trial.FrozenTrial:
         """Run (or rule out) one trial and tell Optuna; returns the trial as stored."""
-        state, study, workload, s = optuna.trial.TrialState, self.study, self.workload, self.settings
+        state, study, workload, s = optuna.trial.TrialState, self.study, self._workload(ac), self.settings
         reason = invalid_reason(workload, config, self.evaluator.device_type)
         if reason is not None:
             trial.set_user_attr("reason", f"invalid: {reason}")
             return study.tell(trial, state=state.PRUNED)
+        planned = self.guide.predicted(key, config, ac) if self.guide is not None else None
+        if planned is not None:
+            trial.set_user_attr("plan_tokens_per_s", planned.tokens_per_s)
+            trial.set_user_attr("plan_peak_bytes", planned.peak_bytes)
+            skip = None if s.exhaustive else self.guide.skip(key, config, ac, self._best_measured())
+            if skip is not None:
+                trial.set_user_attr("reason", skip)
+                trial.set_user_attr("plan_skipped", True)
+                trial.set_user_attr("plan_calibration", self.guide.calibration.describe())
+                return study.tell(trial, state=state.PRUNED)
         predicted = predict_peak(workload, config, self.baseline) if workload.predictable else None
         trial.set_user_attr("predicted_bytes", predicted)
         trial.set_user_attr("memory_budget", s.budget)
@@ -171,17 +213,17 @@ class _StudyRun:
         def measure(record: TrialRecord) -> float | None:
             try:
                 with self.interrupts.immediate():
-                    per_rank = self.evaluator(workload, record.config, brief)
+                    per_rank = self.evaluator(self._workload(record.ac), record.config, brief)
             except TrialFailed:
                 return None
             summary = summarize(per_rank, workload, record.config, self.baseline)
             extra = dict(study.user_attrs.get(racing.EXTRA_ATTR, {}))
-            extra.setdefault(config_key(record.config), []).extend(summary["step_times"])
+            extra.setdefault(record.key, []).extend(summary["step_times"])
             study.set_user_attr(racing.EXTRA_ATTR, extra)
             return summary["tokens_per_s"]
 
         default = pytorch_default(workload, self.evaluator.world_size, self.evaluator.device_type)
-        study.set_user_attr(racing.RACE_ATTR, racing.race(leader, rivals, config_key, measure,
+        study.set_user_attr(racing.RACE_ATTR, racing.race(leader, rivals, lambda r: r.key, measure,
                                                           pick=lambda alive: racing.choose(alive, default)))
 
 

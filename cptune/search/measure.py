@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..config import CPConfig
 from ..context import context_parallel
+from ..errors import CPTuneError
 from ..workload import Workload
 from .memory import current_usage, read_peak, reset_peak
 from .settings import MeasureSettings
@@ -50,6 +51,8 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
     reset_peak(device)
     cp = config.mesh_shape[1]
     docs, window = workload.document_ids(), workload.window_pair
+    if workload.ac == "auto":
+        raise CPTuneError("a trial runs one activation checkpointing mode; ac='auto' is the search's dimension")
     if workload.step or workload.model:
         build = build_model_step if workload.model else build_user_step
         step, buffers, seq_dims = build(workload, device)

@@ -135,7 +135,7 @@ def standing(rounds: Sequence[dict[str, float]], keys: Sequence[str]) -> dict[st
     return {k: math.exp(v - top) for k, v in mean_log.items()}
 
 
-def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPConfig], str],
+def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[TrialRecord], str],
          measure: Callable[[TrialRecord], float | None],
          pick: Callable[[list[TrialRecord]], TrialRecord] | None = None) -> dict:
     """Paired rounds among ``leader`` and ``rivals`` until one is left, RACE_ROUNDS have run, or
@@ -157,37 +157,37 @@ def race(leader: TrialRecord, rivals: Sequence[TrialRecord], key: Callable[[CPCo
         for r in alive if i % 2 == 0 else alive[::-1]:
             tps = measure(r)
             if tps:
-                figures[key(r.config)] = tps
+                figures[key(r)] = tps
             else:
-                out[key(r.config)] = {"round": i + 1, "relative": None}
-        alive = [r for r in alive if key(r.config) in figures]  # a failed run leaves the race
+                out[key(r)] = {"round": i + 1, "relative": None}
+        alive = [r for r in alive if key(r) in figures]  # a failed run leaves the race
         rounds.append(figures)
         if not alive:
             break
         rel = standing(rounds, list(figures))
         floor = 1 - RACE_FLOOR / math.sqrt(len(rounds))
         out.update({k: {"round": i + 1, "relative": v} for k, v in rel.items() if v < floor})
-        alive = [r for r in alive if rel[key(r.config)] >= floor]
+        alive = [r for r in alive if rel[key(r)] >= floor]
         if len(alive) == 1:
             break
         if pick is not None and i + 1 < RACE_ROUNDS and _settled(alive, pick, rel, key, floor):
             settled = i + 1
             break
     if len(alive) > 1:  # the tie: those within INDIFFERENCE of the best; the rest are out, slower
-        slower = {key(r.config): {"round": len(rounds), "relative": rel[key(r.config)]} for r in alive
-                  if rel[key(r.config)] < 1 - INDIFFERENCE}
+        slower = {key(r): {"round": len(rounds), "relative": rel[key(r)]} for r in alive
+                  if rel[key(r)] < 1 - INDIFFERENCE}
         out.update(slower)
-        alive = [r for r in alive if key(r.config) not in slower]
-    return {"rounds": rounds, "survivors": [key(r.config) for r in alive],
-            "standing": {key(r.config): rel.get(key(r.config)) for r in alive}, "out": out, "settled": settled}
+        alive = [r for r in alive if key(r) not in slower]
+    return {"rounds": rounds, "survivors": [key(r) for r in alive],
+            "standing": {key(r): rel.get(key(r)) for r in alive}, "out": out, "settled": settled}
 
 
 def _settled(alive: list[TrialRecord], pick: Callable[[list[TrialRecord]], TrialRecord], rel: dict[str, float],
-             key: Callable[[CPConfig], str], floor: float) -> bool:
+             key: Callable[[TrialRecord], str], floor: float) -> bool:
     """Whether every survivor's figure / the pick's is within what noise and INDIFFERENCE allow:
     ``floor`` is 1 - RACE_FLOOR / sqrt(rounds), so the bound is 1 + INDIFFERENCE - that margin."""
     chosen = pick(alive)
-    return all(rel[key(r.config)] / rel[key(chosen.config)] <= floor + INDIFFERENCE for r in alive if r is not chosen)
+    return all(rel[key(r)] / rel[key(chosen)] <= floor + INDIFFERENCE for r in alive if r is not chosen)
 
 
 def summary(race: dict, label: Callable[[str], str]) -> str:

@@ -9,6 +9,7 @@ import optuna
 
 from ..config import CPConfig
 from ..sizes import format_size
+from ..space import config_key
 from .memory import PRUNE_FACTOR
 
 
@@ -16,7 +17,7 @@ from .memory import PRUNE_FACTOR
 class TrialRecord:
     number: int
     config: CPConfig
-    state: str  # "ok", "infeasible", "invalid", "failed"
+    state: str  # "ok", "infeasible", "invalid", "failed", "skipped" (by the plan)
     tokens_per_s: float | None = None
     step_time_s: float | None = None
     peak_bytes: int | None = None
@@ -31,11 +32,22 @@ class TrialRecord:
     tps_low: float | None = None  # tokens/s interquartile range over the steps
     tps_high: float | None = None
     warmup_tps: float | None = None  # tokens/s of the warm-up step (with torch.compile: compiling included)
+    ac: str | None = None  # the activation checkpointing it ran with, when the search tries several (--ac auto)
+    plan_tps: float | None = None  # the calibrated plan's tokens/s when it was proposed (None: not predicted)
+    plan_peak: int | None = None
+
+    @property
+    def key(self) -> str:
+        return config_key(self.config, self.ac)
+
+    @property
+    def label(self) -> str:
+        return self.config.label() + (f" ac-{self.ac}" if self.ac else "")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["config"] = self.config.model_dump(mode="json")
-        d["label"] = self.config.label()
+        d["label"] = self.label
         return d
 
 
@@ -68,6 +80,8 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
         state = "ok" if feasible else "infeasible"
     elif reason.startswith("invalid"):
         state = "invalid"
+    elif a.get("plan_skipped"):
+        state = "skipped"
     elif t.state == optuna.trial.TrialState.PRUNED:
         state = "infeasible"
         if budget is not None and a.get("predicted_bytes") is not None:
@@ -81,4 +95,5 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
                        step_time_s=a.get("step_time_s"), peak_bytes=peak,
                        predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"),
                        feasible=feasible, reason=reason, compile_s=a.get("compile_s"), headroom=headroom,
-                       step_times=a.get("step_times"), warmup_tps=a.get("warmup_tokens_per_s"))
+                       step_times=a.get("step_times"), warmup_tps=a.get("warmup_tokens_per_s"), ac=a.get("ac"),
+                       plan_tps=a.get("plan_tokens_per_s"), plan_peak=a.get("plan_peak_bytes"))

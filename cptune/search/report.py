@@ -37,7 +37,7 @@ def plot(result: SearchResult, out: str | os.PathLike) -> Path:
         raise ValidationError([Problem("--out", "needs matplotlib to draw", "pip install matplotlib "
                                        "(or cptune[bench])")]) from None
     rows = [r for r in result.ranked if r.tokens_per_s or r.peak_bytes]
-    labels = [r.config.label() + (" *" if r.number in result.equivalent else "") for r in rows]
+    labels = [r.label + (" *" if r.number in result.equivalent else "") for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2), sharey=True)
     y = range(len(rows))
     tps = [r.tokens_per_s or 0 for r in rows]

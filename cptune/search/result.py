@@ -9,7 +9,6 @@ from ..sizes import format_size
 from ..workload import Workload
 from .racing import INDIFFERENCE, TIE_RULE, summary
 from .records import TrialRecord
-from .space import config_key
 
 
 @dataclass
@@ -50,7 +49,7 @@ class SearchResult:
     def why_nothing(self) -> str:
         if not self.trials:
             return "no trial ran (raise --n-trials or --timeout)"
-        lines = [f"  {r.config.label()}: {r.state} ({r.reason})" for r in self.ranked]
+        lines = [f"  {r.label}: {r.state} ({r.reason})" for r in self.ranked]
         states = {r.state for r in self.trials}
         if states == {"invalid"}:
             head = f"no configuration is valid for {self.workload.describe()} on {self.world_size} ranks"
@@ -68,38 +67,39 @@ class SearchResult:
     def table(self) -> str:
         compiled = self.workload.compile
         extra = f" {'compile':>8}" if compiled else ""
-        head = (f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'IQR':>15} {'n':>3} {'peak':>10} {'headroom':>8} "
+        head = (f"{'#':>3}  {'config':<34} {'tokens/s':>10} {'plan':>10} {'IQR':>15} {'n':>3} {'peak':>10} {'headroom':>8} "
                 f"{'predicted':>10}{extra}  {'feasible':<8} reason")
         lines = [head, "-" * len(head)]
         for r in self.ranked:
             tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
+            plan = f"{r.plan_tps:,.0f}" if r.plan_tps else "-"
             spread = f"{r.tps_low:,.0f}-{r.tps_high:,.0f}" if r.tps_low is not None else "-"
             feasible = {True: "yes", False: "no", None: "-"}[r.feasible]
             comp = (f" {r.compile_s:>7.1f}s" if r.compile_s is not None else f" {'-':>8}") if compiled else ""
             room = f"{r.headroom:.0%}" if r.headroom is not None else "-"
             mark = "*" if r.number in self.equivalent else " "
-            lines.append(f"{r.number:>3}{mark} {r.config.label():<34} {tps:>10} {spread:>15} {r.measurements:>3} "
+            lines.append(f"{r.number:>3}{mark} {r.label:<34} {tps:>10} {plan:>10} {spread:>15} {r.measurements:>3} "
                          f"{format_size(r.peak_bytes):>10} {room:>8} "
-                         f"{format_size(r.predicted_bytes):>10}{comp}  {feasible:<8} {r.reason}")
+                         f"{format_size(r.predicted_bytes or r.plan_peak):>10}{comp}  {feasible:<8} {r.reason}")
         return "\n".join(lines)
 
     LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; allgather/alltoall: the ring's rotate "
               "method; ulysses: all-to-all over heads; hybrid uK×rN: Ulysses groups of K ranks, a ring of N; lb: "
               "causal load balancing; flash on CPU: cptune's CPU ring kernel; tokens/s: the whole world, median "
-              "over n timed steps; IQR: its interquartile range; *: equivalent to the best (within "
+              "over n timed steps; plan: the calibrated step model's tokens/s when the trial was proposed; IQR: its interquartile range; *: equivalent to the best (within "
               f"{INDIFFERENCE:.0%} after paired race rounds); peak: the worst rank; headroom: budget left; "
-              "predicted: the memory model (-: not modelled)")
+              "predicted: the memory model's peak (the proxy's, else the plan's)")
 
     def tie_note(self) -> str | None:
         if not self.tie:
             return None
         return (f"{len(self.tie)} configurations are within measurement noise of each other "
-                f"({', '.join(r.config.label() for r in self.tie)}); chosen by {TIE_RULE}")
+                f"({', '.join(r.label for r in self.tie)}); chosen by {TIE_RULE}")
 
     def race_note(self) -> str | None:
         if not self.race:
             return None
-        labels = {config_key(r.config): r.config.label() for r in self.trials}
+        labels = {r.key: r.label for r in self.trials}
         return summary(self.race, lambda k: labels.get(k, k))
 
     def dp_only_note(self) -> str | None:
@@ -107,7 +107,7 @@ class SearchResult:
         best = self.best
         if best is None or best.config.mesh_shape[1] != 1:
             return None
-        return (f"{best.config.label()} means no context parallelism: each rank holds whole sequences and exchanges "
+        return (f"{best.label} means no context parallelism: each rank holds whole sequences and exchanges "
                 "nothing, so it wins whenever a whole sequence fits the budget. CP pays off when one does not: "
                 "search with --memory-budget set to your device's memory and your model (--model for a "
                 "transformers one, --workload for your own step, or the proxy's --layers).")
@@ -120,5 +120,5 @@ class SearchResult:
             "memory_budget_unit": "bytes", "memory_margin": self.memory_margin,
             "evaluated_now": self.evaluated_now, "complete": self.complete,
             "best": best.to_dict() if best else None, "trials": [r.to_dict() for r in self.ranked],
-            "equivalent": [r.config.label() for r in self.tie], "race": self.race,
+            "equivalent": [r.label for r in self.tie], "race": self.race,
         }

@@ -84,6 +84,7 @@ def search(
     progress: Progress | None = None,
     measure: MeasureFn = measure_on_rank,
     confirm: bool = True,
+    exhaustive: bool = False,
 ) -> SearchResult | list[SearchResult] | None:
     """Find the fastest configuration that fits in ``memory_budget`` for ``workload``, measured on real ranks.
 
@@ -96,6 +97,11 @@ def search(
     ``--workload`` step imported, before any rank starts. A config is feasible when its worst
     peak (over ranks and repeats) plus ``memory_margin`` fits ``memory_budget``; a resumed study
     is judged against the budget of this call.
+
+    Trials run in the order the step model (:mod:`cptune.plan`) predicts best first, recalibrated after
+    each; a config it rules out beyond its measured error is recorded as skipped by plan
+    (:mod:`.guide`), unless ``exhaustive``. ``workload.ac='auto'`` searches activation checkpointing
+    (none, selective, full) as a dimension.
 
     ``seq_lens``: search each of these sequence lengths (one study each, on the same ranks) and
     return the list of results, in order; a training schedule's lengths in one run.
@@ -150,7 +156,7 @@ def search(
                     default_budget(evaluator.device_type, evaluator.nproc_per_node)
                 plan = SearchSettings(budget=budget, margin=memory_margin, measure=settings, n_trials=n_trials,
                                       timeout=timeout, trial_timeout=trial_timeout, sampler=sampler, seed=seed,
-                                      confirm=confirm)
+                                      confirm=confirm, exhaustive=exhaustive)
                 for w in workloads:
                     name = study_name if study_name is None or len(workloads) == 1 else f"{study_name}-S{w.seq_len}"
                     results.append(run_study(evaluator, w, plan, storage=storage, study_name=name, progress=progress,

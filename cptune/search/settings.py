@@ -25,7 +25,8 @@ class SearchSettings:
     ``budget``/``margin``: a config is feasible when its worst peak x (1 + margin) <= budget.
     ``measure``: how each trial is timed. ``n_trials``/``timeout``: when to stop starting trials.
     ``trial_timeout``: seconds before a trial is a hang. ``sampler``/``seed``: how configs are
-    proposed. ``confirm``: screen briefly and race the leaders (else measure each once).
+    proposed. ``confirm``: screen briefly and race the leaders (else measure each once). ``exhaustive``:
+    measure every configuration (the plan still orders them; see :mod:`.guide`).
     """
 
     budget: int
@@ -37,3 +38,5 @@ class SearchSettings:
     sampler: str = "auto"
     seed: int | None = 0
     confirm: bool = True
+    exhaustive: bool = False
+    """Run every configuration: the plan orders them but skips none."""

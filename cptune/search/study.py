@@ -22,7 +22,7 @@ from .memory import PRUNE_FACTOR
 from .records import INTERRUPTED, TrialRecord, record_from
 from .result import SearchResult
 from .settings import MeasureSettings
-from .space import config_key, pytorch_default
+from .space import pytorch_default
 
 DEFAULT_STORAGE = "sqlite:///cptune.db"
 
@@ -118,11 +118,13 @@ _PREFERENCE = {optuna.trial.TrialState.COMPLETE: 2, optuna.trial.TrialState.FAIL
                optuna.trial.TrialState.PRUNED: 0}
 
 
-def finished(study: optuna.Study, budget: int | None = None) -> dict[str, optuna.trial.FrozenTrial]:
+def finished(study: optuna.Study, budget: int | None = None,
+             rerun_skipped: bool = False) -> dict[str, optuna.trial.FrozenTrial]:
     """The trial that answers each configuration today, by config key.
 
-    Not answered (so run again): a trial interrupted by a stopped search, and one ruled out by
-    its predicted peak under an earlier, tighter budget that the current ``budget`` admits.
+    Not answered (so run again): a trial interrupted by a stopped search, one ruled out by
+    its predicted peak under an earlier, tighter budget that the current ``budget`` admits, and
+    with ``rerun_skipped`` (``--exhaustive``) one the plan skipped.
     Of several, a measurement wins over a failure over a ruling-out, and the latest wins.
     """
     done: dict[str, optuna.trial.FrozenTrial] = {}
@@ -131,6 +133,8 @@ def finished(study: optuna.Study, budget: int | None = None) -> dict[str, optuna
         if not t.state.is_finished() or "key" not in a or "duplicate_of" in a:
             continue
         if t.state == optuna.trial.TrialState.FAIL and a.get("reason") == INTERRUPTED:
+            continue
+        if rerun_skipped and a.get("plan_skipped"):
             continue
         predicted = a.get("predicted_bytes")
         if (budget is not None and t.state == optuna.trial.TrialState.PRUNED and predicted is not None
@@ -147,7 +151,7 @@ def records(study: optuna.Study, workload: Workload, budget: int, margin: float)
     extra = study.user_attrs.get(racing.EXTRA_ATTR, {})
     found = [record_from(t, budget, margin) for t in finished(study, budget).values()]
     for r in found:
-        racing.apply_spread(r, tokens_per_step(workload, r.config), extra.get(config_key(r.config), []))
+        racing.apply_spread(r, tokens_per_step(workload, r.config), extra.get(r.key, []))
     return found
 
 
@@ -175,7 +179,7 @@ def _equivalent(trials: list[TrialRecord], race: dict | None) -> tuple[list[Tria
     """The configurations the last race left standing, and that race; without a race that still
     holds (none run, one cut short, or a survivor no longer feasible under this budget), those
     within noise of the leader by their pooled figures, and None."""
-    ok = {config_key(r.config): r for r in trials if r.state == "ok" and r.tokens_per_s}
+    ok = {r.key: r for r in trials if r.state == "ok" and r.tokens_per_s}
     if race and race.get("survivors") and all(k in ok for k in race["survivors"]):
         return [ok[k] for k in race["survivors"]], race
     leader, rivals = racing.contenders(trials)

@@ -1,0 +1,241 @@
+"""How well ``cptune plan`` predicts, here and against published figures, and what it saves a search.
+
+    python -m benchmarks.plan                   # 2 and 4 gloo ranks (~15 min on 2 cores)
+    python -m benchmarks.plan --update-readme   # also rewrite README.md's plan section
+
+1. This machine: ``cptune probe`` measures its rates on 2 (then 4) ranks; a grid search (every
+   configuration once: meshes x strategies x splits x rotate x LB x AC none/selective/full, the Llama
+   example's training step ``examples.train_llama_cp:search_step``) measures each. Reported per world
+   size: Spearman's rank correlation of predicted vs measured tokens/s, the measured tokens/s of the
+   plan's top pick over the measured best, and the worst memory error (predicted / measured peak - 1)
+   - with the probe's rates alone, and calibrated on the grid's own trials (each trial predicted by a
+   fit made without it).
+2. The plan-guided search (the default ``cptune search``) on the same space and settings: its wall
+   time over the grid's, and the grid's measured tokens/s of its pick over the grid's best.
+3. Published figures (``PUBLISHED``): torchtitan's Llama 3.1 8B CP table, calibrated on one point
+   (FSDP 8, CP 1) and predicting the others; ring-flash-attention's ring / zigzag efficiencies with no
+   calibration at all. Every error is reported, the misses too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import torch
+
+import cptune
+import cptune.plan as P
+from cptune.search import MeasureSettings
+
+STEP = "examples.train_llama_cp:search_step"
+WORKLOAD = dict(seq_len=2048, heads=4, kv_heads=2, head_dim=32, layers=2, ac="auto", step=STEP)
+SETTINGS = MeasureSettings(warmup=1, min_repeats=2, max_repeats=4, min_seconds=0.5)
+
+TORCHTITAN = {
+    "source": "torchtitan docs/performance.md, Table 2: Llama 3.1 8B, 8 H100 (96GB HBM2e, 2.4 TB/s, 500 W), "
+              "FSDP + CP + torch.compile + Float8, local batch 1, full activation checkpointing",
+    "model": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
+                  name="Llama 3.1 8B"),
+    "points": [  # (dp = FSDP degree, cp, sequence length, published tokens/s per GPU, published memory GiB)
+        (8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5)],
+}
+RING_FLASH = {
+    "source": "zhuzilin/ring-flash-attention README, batch api, fwd + bwd, 8 GPUs, Llama-3.1-8B attention (32 "
+              "heads x 128, 8 kv heads), 8k tokens per GPU: iterations/s over the theoretic flash_attn figure",
+    "points": [("8xH800", "ring_attn", 0.539), ("8xH800", "zigzag_ring", 0.902), ("8xA100", "ring_attn", 0.525),
+               ("8xA100", "zigzag_ring", 0.898)],
+}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(xs: list[float]) -> list[float]:
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0.0] * len(xs)
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+
+
+def _grid_rows(result: cptune.SearchResult, storage: str) -> tuple[list, int]:
+    study = optuna.load_study(study_name=result.study_name, storage=storage)
+    rows = [r for r in result.trials if r.state == "ok" and r.tokens_per_s]
+    return rows, int(study.user_attrs.get("baseline_bytes", 0))
+
+
+def _predict_rows(rows, workload: cptune.Workload, hw: P.Hardware, nproc: int) -> list[P.Prediction]:
+    dims = P.dims_from_workload(workload)
+    out = []
+    for r in rows:
+        w = workload.model_copy(update={"ac": r.ac})
+        out.append(P.predict(dims, w, P.Point(r.config, r.ac, sync="none"), hw, nproc, optimizer=False))
+    return out
+
+
+def _judge(rows, preds: list[P.Prediction]) -> dict:
+    measured = [r.tokens_per_s for r in rows]
+    predicted = [p.tokens_per_s for p in preds]
+    top = max(range(len(rows)), key=lambda i: predicted[i])
+    mem = [p.peak_bytes / r.peak_bytes - 1 for p, r in zip(preds, rows) if r.peak_bytes]
+    return {"configs": len(rows), "spearman": spearman(predicted, measured),
+            "top_pick": rows[top].label, "top_over_best": measured[top] / max(measured),
+            "memory_worst": max(mem, key=abs) if mem else None,
+            "memory_mean_abs": statistics.fmean(abs(m) for m in mem) if mem else None,
+            "rows": [{"label": r.label, "measured": r.tokens_per_s, "predicted": p.tokens_per_s,
+                      "measured_peak": r.peak_bytes, "predicted_peak": p.peak_bytes} for r, p in zip(rows, preds)]}
+
+
+def _loo(rows, preds: list[P.Prediction]) -> list[P.Prediction]:
+    """Each trial predicted by a calibration fitted on all the others."""
+    out = []
+    for i in range(len(rows)):
+        rest = [j for j in range(len(rows)) if j != i]
+        cal = P.calibrate([preds[j] for j in rest], [rows[j].step_time_s for j in rest],
+                          [rows[j].peak_bytes for j in rest])
+        out.append(cal.apply(preds[i]))
+    return out
+
+
+def here(nproc: int, work: Path) -> dict:
+    workload = cptune.Workload(**WORKLOAD)
+    hw = P.probe(nproc)
+    grid_store = f"sqlite:///{work}/grid-{nproc}.db"
+    started = time.monotonic()
+    grid = cptune.search(workload, nproc=nproc, storage=grid_store, confirm=False, exhaustive=True,
+                         settings=SETTINGS, trial_timeout=900)
+    grid_s = time.monotonic() - started
+    rows, baseline = _grid_rows(grid, grid_store)
+    hw = hw.model_copy(update={"baseline": baseline or hw.baseline_bytes})
+    preds = _predict_rows(rows, workload, hw, nproc)
+    started = time.monotonic()
+    guided = cptune.search(workload, nproc=nproc, storage=f"sqlite:///{work}/guided-{nproc}.db", confirm=False,
+                           settings=SETTINGS, trial_timeout=900)
+    guided_s = time.monotonic() - started
+    measured = {r.key: r.tokens_per_s for r in rows}
+    pick = guided.best
+    skipped = [r for r in guided.trials if r.state == "skipped"]
+    return {"nproc": nproc, "probe": hw.model_dump(mode="json"), "probe_only": _judge(rows, preds),
+            "calibrated_loo": _judge(rows, _loo(rows, preds)),
+            "search": {"grid_s": grid_s, "guided_s": guided_s, "ratio": guided_s / grid_s,
+                       "measured_by_guided": sum(r.state in ("ok", "infeasible") for r in guided.trials),
+                       "skipped": len(skipped), "configs": len(grid.trials),
+                       "pick": pick.label if pick else None,
+                       "tuned_over_oracle": measured.get(pick.key, 0.0) / max(measured.values()) if pick else 0.0}}
+
+
+def torchtitan() -> dict:
+    dims = P.ModelDims(**TORCHTITAN["model"])
+    hw = P.load_hardware("h100").model_copy(update={"name": "H100 96GB HBM2e, 500 W (Grand Teton)",
+                                                    "memory": "96GiB", "memory_GBps": 2400})
+    preds = []
+    for dp, cp, s, _, _ in TORCHTITAN["points"]:
+        w = P.plan_workload(dims, s)
+        config = cptune.CPConfig(mesh_shape=(dp, cp), rotate_method="allgather", load_balance=True)
+        preds.append(P.predict(dims, w, P.Point(config, "full"), hw, 8, gemm_dtype="float8"))
+    published = [p[3] for p in TORCHTITAN["points"]]
+    cal = P.calibrate([preds[0]], [preds[0].step_s * preds[0].tokens_per_s_per_gpu / published[0]])
+    rows = []
+    for (dp, cp, s, tps, mem), p in zip(TORCHTITAN["points"], preds):
+        c = cal.apply(p)
+        rows.append({"config": f"FSDP {dp}, CP {cp}, S={s}", "published": tps, "predicted": c.tokens_per_s_per_gpu,
+                     "error": c.tokens_per_s_per_gpu / tps - 1, "published_memory_gib": mem,
+                     "predicted_memory_gib": c.peak_bytes / 2**30, "calibration": dp == 8})
+    return {"source": TORCHTITAN["source"], "calibrated_on": "FSDP 8, CP 1, S=32768 (3,890 tokens/s per GPU)",
+            "compute_factor": cal.compute, "rows": rows}
+
+
+def ring_flash() -> dict:
+    dims = P.ModelDims(layers=1, hidden=4096, heads=32, kv_heads=8, head_dim=128, attention_only=True)
+    profiles = {"8xH800": P.load_hardware("h100").model_copy(update={  # H800: H100 with 400 GB/s NVLink
+        "name": "H800", "intra_node": P.load_hardware("h100").intra_node.model_copy(update={"GBps": 200})}),
+        "8xA100": P.load_hardware("a100")}
+    rows = []
+    for gpus, impl, published in RING_FLASH["points"]:
+        w = cptune.Workload(seq_len=8 * 8192, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+        config = cptune.CPConfig(mesh_shape=(1, 8), rotate_method="alltoall", load_balance=impl == "zigzag_ring")
+        p = P.predict(dims, w, P.Point(config, "none", sync="none"), profiles[gpus], 8, optimizer=False)
+        ideal = p.time["attention"] * P.busiest_pairs(w, 1, False) / 8 / P.busiest_pairs(w, 8, config.load_balance)
+        predicted = ideal / (p.time["attention"] + p.time["ring_merge"] + p.exposed_s)
+        rows.append({"gpus": gpus, "impl": impl, "published": published, "predicted": predicted,
+                     "error": predicted / published - 1})
+    return {"source": RING_FLASH["source"], "calibrated_on": "nothing (efficiencies cancel in the ratio)",
+            "rows": rows}
+
+
+def summary_lines(results: dict) -> list[str]:
+    lines = [f"Latest run: `{results['command']}` on {results['machine']}, {results['date']} "
+             f"({results['total_seconds'] / 60:.0f} min). The Llama example's training step "
+             f"(`{STEP}`, S={WORKLOAD['seq_len']}, 4 heads / 2 kv x 32, 2 layers, float32), every configuration "
+             "(meshes x strategies x rotate x LB x AC none/selective/full) measured once by a grid search.", "",
+             "| ranks | configs | predicted from | Spearman | plan's top pick / measured best | worst memory error |",
+             "|---|---|---|---|---|---|"]
+    for h in results["here"]:
+        for name, key in (("the probe's rates", "probe_only"), ("the grid's other trials", "calibrated_loo")):
+            j = h[key]
+            mem = f"{j['memory_worst']:+.0%}" if j["memory_worst"] is not None else "-"
+            lines.append(f"| {h['nproc']} | {j['configs']} | {name} | {j['spearman']:.2f} | {j['top_over_best']:.2f} "
+                         f"({j['top_pick']}) | {mem} |")
+    lines += ["", "| ranks | grid | plan-guided search | time ratio | measured / skipped | tuned / oracle |",
+              "|---|---|---|---|---|---|"]
+    for h in results["here"]:
+        s = h["search"]
+        lines.append(f"| {h['nproc']} | {s['grid_s']:.0f} s | {s['guided_s']:.0f} s | {s['ratio']:.2f} | "
+                     f"{s['measured_by_guided']} / {s['skipped']} of {s['configs']} | {s['tuned_over_oracle']:.2f} |")
+    geo = math.exp(statistics.fmean(math.log(max(h["search"]["tuned_over_oracle"], 1e-9)) for h in results["here"]))
+    lines += ["", f"Geometric mean tuned / oracle: {geo:.2f}. Published figures "
+                  f"({results['torchtitan']['source']}; calibrated on {results['torchtitan']['calibrated_on']}, "
+                  f"compute factor {results['torchtitan']['compute_factor']:.2f}):", "",
+              "| configuration | published tokens/s/GPU | predicted | error | published memory | predicted memory |",
+              "|---|---|---|---|---|---|"]
+    for r in results["torchtitan"]["rows"]:
+        mark = " (calibration point)" if r["calibration"] else ""
+        lines.append(f"| {r['config']}{mark} | {r['published']:,} | {r['predicted']:,.0f} | {r['error']:+.0%} | "
+                     f"{r['published_memory_gib']} GiB | {r['predicted_memory_gib']:.1f} GiB |")
+    lines += ["", f"{results['ring_flash']['source']}; calibrated on {results['ring_flash']['calibrated_on']}:", "",
+              "| GPUs | implementation | published share of theoretic | predicted | error |", "|---|---|---|---|---|"]
+    for r in results["ring_flash"]["rows"]:
+        lines.append(f"| {r['gpus']} | {r['impl']} | {r['published']:.1%} | {r['predicted']:.1%} | {r['error']:+.0%} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the plan's predictions against measurements and published figures")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--update-readme", action="store_true")
+    args = parser.parse_args()
+    from .report import publish
+
+    started = time.monotonic()
+    results = {"command": "python -m benchmarks.plan",
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M"),
+               "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo ranks x 1 thread, "
+                          f"torch {torch.__version__}"}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with tempfile.TemporaryDirectory() as work:
+        results["here"] = [here(n, Path(work)) for n in args.nproc]
+    results["torchtitan"] = torchtitan()
+    results["ring_flash"] = ring_flash()
+    results["total_seconds"] = time.monotonic() - started
+    publish("plan", results, summary_lines(results), args.update_readme)
+
+
+if __name__ == "__main__":
+    main()

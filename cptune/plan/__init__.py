@@ -1,0 +1,24 @@
+"""Predict a training step under CP on clusters not at hand, and calibrate the prediction on what was measured.
+
+::
+
+    dims = cptune.plan.dims_from_config("path/to/model")                  # or ModelDims(layers=..., ...)
+    hw = cptune.plan.load_hardware("h100")                                # shipped: a100 h100 h200 b200 cpu
+    result = cptune.plan.plan(dims, cptune.plan.plan_workload(dims, 131072), hw, gpus=64, gpus_per_node=8)
+    print(result.table())
+
+The step model (:func:`predict`) imports nothing from the search; the search imports it to order its
+trials and skip those the calibrated model rules out (:mod:`cptune.search.guide`).
+"""
+
+from ._calibrate import Calibration, calibrate, fold, from_gpu_benchmark
+from ._dims import ModelDims, dims_from_config, dims_from_workload
+from ._hardware import Hardware, for_device, load_hardware, profile_names
+from ._planner import AC_MODES, Plan, plan, plan_workload, points, predicted_recipe
+from ._probe import probe
+from ._step import Point, Prediction, busiest_pairs, predict
+
+__all__ = ["AC_MODES", "Calibration", "Hardware", "ModelDims", "Plan", "Point", "Prediction", "busiest_pairs",
+           "calibrate", "dims_from_config", "dims_from_workload", "fold", "for_device", "from_gpu_benchmark",
+           "load_hardware", "plan", "plan_workload", "points", "predict", "predicted_recipe", "probe",
+           "profile_names"]

@@ -1,0 +1,167 @@
+"""``cptune plan``: every configuration of a cluster, predicted and ranked, and the recipe of the best, marked predicted."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._version import __version__
+from ..config import CPConfig
+from ..errors import Problem, ValidationError, raise_if
+from ..sizes import format_size
+from ..space import ROTATE_METHODS, config_from, config_key, invalid_reason, mesh_shapes, strategies
+from ..workload import Workload
+from ._calibrate import Calibration
+from ._dims import ModelDims
+from ._hardware import Hardware
+from ._step import Point, Prediction, predict
+
+AC_MODES = ("none", "selective", "full")
+
+
+def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
+           backend: str = "flash") -> tuple[list[Point], list[tuple[str, str]]]:
+    """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why."""
+    seen: set[str] = set()
+    valid: list[Point] = []
+    invalid: list[tuple[str, str]] = []
+    for dp, cp in mesh_shapes(world):
+        for strategy in strategies(world):
+            for rotate in ROTATE_METHODS:
+                for lb in ((True, False) if workload.causal else (False,)):
+                    config = config_from({"mesh": f"{dp}x{cp}", "strategy": strategy, "rotate_method": rotate,
+                                          "sdpa_backend": backend, "load_balance": lb})
+                    key = config_key(config)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    reason = invalid_reason(workload, config, device_type)
+                    if reason is not None:
+                        if not reason.endswith("does not split cp=" + str(cp)):  # hybrid splits of other meshes
+                            invalid.append((config.label(), reason))
+                        continue
+                    valid += [Point(config, ac) for ac in ac_modes]
+    return valid, invalid
+
+
+@dataclass
+class Plan:
+    """Every configuration predicted for one model, length and cluster, best first."""
+
+    dims: ModelDims
+    workload: Workload
+    hardware: Hardware
+    gpus: int
+    gpus_per_node: int
+    budget: int
+    predictions: list[Prediction]
+    invalid: list[tuple[str, str]] = field(default_factory=list)
+    calibration: Calibration = field(default_factory=Calibration)
+
+    @property
+    def best(self) -> Prediction | None:
+        return next((p for p in self.predictions if p.infeasible is None), None)
+
+    def table(self, limit: int | None = None) -> str:
+        head = (f"{'#':>3}  {'config':<40} {'tokens/s/GPU':>12} {'step':>9} {'peak':>10} {'headroom':>8}  "
+                "bottleneck / why not")
+        lines = [head, "-" * len(head)]
+        shown = self.predictions if limit is None else self.predictions[:limit]
+        for i, p in enumerate(shown, 1):
+            room = (self.budget - p.peak_bytes) / self.budget
+            lines.append(f"{i:>3}  {p.point.label():<40} {p.tokens_per_s_per_gpu:>12,.0f} {p.step_s:>8.3f}s "
+                         f"{format_size(p.peak_bytes):>10} {room:>8.0%}  {p.infeasible or p.bottleneck}")
+        if limit is not None and len(self.predictions) > limit:
+            lines.append(f"... {len(self.predictions) - limit} more (--all shows them)")
+        return "\n".join(lines)
+
+    def header(self) -> str:
+        nodes = max(1, self.gpus // self.gpus_per_node)
+        return (f"{self.dims.describe()}\n{self.workload.describe()}\n{self.gpus} x {self.hardware.name} "
+                f"({nodes} node(s) of {min(self.gpus, self.gpus_per_node)}), budget {format_size(self.budget)} "
+                f"per GPU; efficiencies: {self.calibration.describe() if self.calibration.trials else 'as the profile: ' + '; '.join(self.hardware.calibrated_by) or 'nominal'}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.dims.model_dump(mode="json"), "workload": self.workload.model_dump(mode="json"),
+                "hardware": self.hardware.model_dump(mode="json"), "gpus": self.gpus,
+                "gpus_per_node": self.gpus_per_node, "memory_budget": self.budget,
+                "calibration": self.calibration.to_dict(),
+                "best": self.best.to_dict() if self.best else None,
+                "predictions": [p.to_dict() for p in self.predictions],
+                "invalid": [{"config": c, "reason": r} for c, r in self.invalid]}
+
+
+def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpus_per_node: int = 8,
+         budget: int | None = None, ac_modes: tuple[str, ...] = AC_MODES,
+         calibration: Calibration | None = None) -> Plan:
+    """Predict every configuration of ``gpus`` GPUs (``gpus_per_node`` per node) for ``dims`` on ``workload``'s
+    sequences; ranked by predicted tokens/s per GPU, those that fit ``budget`` (default: the GPU's memory) first."""
+    problems = []
+    if gpus < 1:
+        problems.append(Problem("--gpus", f"is {gpus}", "give the number of GPUs, e.g. 64"))
+    if gpus_per_node < 1 or (gpus > gpus_per_node and gpus % gpus_per_node):
+        problems.append(Problem("--gpus-per-node", f"{gpus_per_node} does not divide --gpus {gpus} into whole nodes",
+                                "give the GPUs per node (8 on DGX/HGX machines), a divisor of --gpus"))
+    bad = [a for a in ac_modes if a not in AC_MODES]
+    if bad:
+        problems.append(Problem("--ac", f"{', '.join(bad)} not among {', '.join(AC_MODES)}", "use auto or one of them"))
+    raise_if(problems)
+    budget = hardware.memory_bytes if budget is None else budget
+    calibration = calibration or Calibration()
+    valid, invalid = points(workload, gpus, ac_modes)
+    if not valid:
+        raise ValidationError([Problem("--seq-len", f"no configuration of {gpus} GPUs can split this workload: "
+                                       + "; ".join(sorted({r for _, r in invalid})[:3]),
+                                       "use a length divisible by the GPU count (x2 for load balancing)")])
+    preds = []
+    for point in valid:
+        p = calibration.apply(predict(dims, workload, point, hardware, gpus_per_node, budget))
+        if p.infeasible is None and p.peak_bytes > budget:  # the calibrated peak decides
+            p.infeasible = f"predicted peak {format_size(p.peak_bytes)} > budget {format_size(budget)}"
+            p.bottleneck = "memory"
+        preds.append(p)
+    preds.sort(key=lambda p: (p.infeasible is not None, -p.tokens_per_s_per_gpu if p.infeasible is None
+                              else p.peak_bytes))
+    return Plan(dims=dims, workload=workload, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
+                budget=budget, predictions=preds, invalid=invalid, calibration=calibration)
+
+
+def plan_workload(dims: ModelDims, seq_len: int, batch: int = 1, dtype: str = "bfloat16", causal: bool = True,
+                  documents: str | None = None, window: int | None = None, model: str | None = None,
+                  overrides: dict | None = None) -> Workload:
+    """The workload a plan predicts: ``dims``' attention shape at ``seq_len`` (``batch`` sequences per replica)."""
+    return Workload(seq_len=seq_len, batch=batch, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
+                    layers=dims.layers, dtype=dtype, causal=causal, documents=documents, window=window, model=model,
+                    model_overrides=overrides or None)
+
+
+def predicted_recipe(result: Plan, command: str | None = None):
+    """The plan's best configuration as a recipe, marked predicted (not measured): ``cptune show`` and ``launch``
+    say so, and its figures are the plan's."""
+    from ..recipe import MODEL_SCRIPT, Launch, Metrics, Provenance, Recipe
+
+    best = result.best
+    if best is None:
+        raise ValidationError([Problem("--memory-budget", "no configuration is predicted to fit",
+                                       "raise --memory-budget, add GPUs, or plan a shorter --seq-len")])
+    nodes = max(1, result.gpus // result.gpus_per_node)
+    config: CPConfig = best.point.config.model_copy(update={"sdpa_backend": None})
+    hw = result.hardware
+    return Recipe(
+        workload=result.workload.model_copy(update={"ac": best.point.ac}),
+        config=config,
+        launch=Launch(nnodes=nodes, nproc_per_node=min(result.gpus, result.gpus_per_node),
+                      script=MODEL_SCRIPT if result.workload.model else None),
+        provenance=Provenance(cptune_version=__version__, torch_version=torch.__version__, device=hw.name,
+                              device_type="cuda", device_count=result.gpus, backend="nccl",
+                              date=datetime.date.today().isoformat(), command=command),
+        metrics=Metrics(measured=False, tokens_per_s=best.tokens_per_s, step_time_s=best.step_s,
+                        peak_bytes_per_rank=[best.peak_bytes] * result.gpus, memory_budget=result.budget,
+                        headroom=(result.budget - best.peak_bytes) / result.budget,
+                        predicted_by=f"cptune plan on {hw.name} ({result.calibration.describe()}; "
+                                     f"{'; '.join(hw.calibrated_by) or 'nominal'})",
+                        note=f"predicted best of {len(result.predictions)} configurations ({best.bottleneck}); "
+                             "measure it with cptune search on the cluster"))

@@ -1,0 +1,233 @@
+"""The step model: one training step of a transformer under CP, per rank, predicted from first principles.
+
+Time: dense FLOPs at the GEMM rate; attention FLOPs of the busiest rank (attended pairs, so packed
+documents and windows cost what they attend, and an unbalanced causal split costs its heaviest
+shard) at the attention kernel's rate, forward + backward (2.5x forward); elementwise traffic at
+memory bandwidth; activation-checkpointing recompute; a fixed cost per layer pass. Communication:
+each strategy's bytes per layer over the link its group crosses (NVLink inside a node, the network
+across nodes): the ring's K/V blocks (forward, then K/V and float32 gradients backward), Ulysses'
+four all-to-alls each way, both for the hybrid, FSDP's all-gathers and reduce-scatter over dp x cp.
+Overlap is explicit: the ring's point-to-point rotation (and cptune's masked ring, either rotation)
+hides behind the block being computed, FSDP behind the layers' compute (all but the first
+gather); PyTorch's all-gather rotation and Ulysses' all-to-alls are exposed. What is not hidden is
+reported as exposed communication.
+
+Memory: parameters, gradients and AdamW states sharded by FSDP over dp x cp, the gathered layers,
+activations per AC mode, the logits, the attention's temporaries and communication buffers, and
+the process's baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .._documents import balanced_chunks, documents_from_lengths, head_tail_chunks, lengths_from_spec, token_work
+from .._ulysses import kv_replication
+from ..config import CPConfig, decide_load_balance
+from ..workload import Workload
+from ._dims import ModelDims
+from ._hardware import Hardware
+
+BACKWARD = 2.5
+"""Attention backward / forward FLOPs (flash: recompute QK^T, then dP, dV, dQ, dK)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration the plan ranks: CP over a (dp, cp) mesh, activation checkpointing, and how gradients
+    are kept in step: ``fsdp`` (FSDP2 over dp x cp, as cptune's model steps and torchtitan train), ``allreduce``
+    (replicated parameters), ``none`` (a forward + backward only, as a ``--workload`` step may measure)."""
+
+    config: CPConfig
+    ac: str = "none"
+    sync: str = "fsdp"
+
+    @property
+    def fsdp(self) -> bool:
+        return self.sync == "fsdp"
+
+    def label(self) -> str:
+        return f"{self.config.model_copy(update={'sdpa_backend': None}).label().removesuffix(' default')} ac-{self.ac}"
+
+
+@dataclass
+class Prediction:
+    """What the model predicts for one point: seconds and bytes per rank, and why it cannot run if so."""
+
+    point: Point
+    step_s: float
+    tokens_per_s: float
+    """The whole world's tokens per second (dp replicas x batch x sequence / step)."""
+    tokens_per_s_per_gpu: float
+    time: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)
+    peak_bytes: int = 0
+    bottleneck: str = "compute"
+    infeasible: str | None = None
+
+    @property
+    def compute_s(self) -> float:
+        return self.time["compute"]
+
+    @property
+    def exposed_s(self) -> float:
+        return self.time["exposed_communication"]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["point"] = {"label": self.point.label(), "config": self.point.config.model_dump(mode="json"),
+                      "ac": self.point.ac, "sync": self.point.sync}
+        return d
+
+
+@functools.lru_cache(maxsize=32)
+def _work(seq_len: int, documents: str | None, causal: bool, window: int | None) -> torch.Tensor:
+    ids = documents_from_lengths(lengths_from_spec(documents, seq_len)) if documents else None
+    return token_work(ids, seq_len, causal, None if window is None else (window, 0))
+
+
+def busiest_pairs(workload: Workload, ring: int, balanced: bool) -> float:
+    """Attended (query, key) pairs per sequence of the ring position with the most, over ``ring`` shards."""
+    w = workload
+    work = _work(w.seq_len, w.documents, w.causal, w.window)
+    if ring == 1:
+        return float(work.sum())
+    if not balanced:
+        return float(work.reshape(ring, -1).sum(-1).max())
+    grid = 2 * ring
+    if w.seq_len % grid:
+        return float(work.reshape(ring, -1).sum(-1).max())
+    chunks = balanced_chunks(work, ring, grid) if (w.documents or w.window is not None) else head_tail_chunks(ring)
+    per_chunk = work.reshape(grid, -1).sum(-1)
+    return max(float(per_chunk[list(c)].sum()) for c in chunks)
+
+
+class _Links:
+    def __init__(self, hw: Hardware, gpus_per_node: int) -> None:
+        self.hw, self.per_node = hw, gpus_per_node
+
+    def seconds(self, nbytes: float, messages: float, span: int) -> float:
+        """Moving ``nbytes`` from one rank in ``messages`` messages within a group of ``span`` consecutive ranks."""
+        link = self.hw.inter_node if span > self.per_node else self.hw.intra_node
+        return nbytes / (link.GBps * 1e9 * self.hw.efficiency.communication) + messages * link.latency_us * 1e-6
+
+
+def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpus_per_node: int = 8,
+            budget: int | None = None, optimizer: bool = True, gemm_dtype: str | None = None) -> Prediction:
+    """Predict one training step of ``dims`` on ``workload``'s sequences (``batch`` per dp replica) under ``point``.
+
+    ``gemm_dtype``: the linear layers' dtype when it is not the workload's (``float8`` for Float8 training)."""
+    w, c, eff = workload, point.config, hw.efficiency
+    dp, cp = c.mesh_shape
+    world = dp * cp
+    ulysses, ring = c.degrees(cp)
+    lb = decide_load_balance(c.load_balance, causal=w.causal, cp=cp, ring=ring, seq_len=w.seq_len).on
+    e, b, s = w.itemsize, w.batch, w.seq_len
+    tokens = b * s // cp  # this rank's tokens (before Ulysses' exchange)
+    h, hq, kv, f, L = dims.hidden, dims.q_width, dims.kv_width, dims.ffn, dims.layers
+    rep = kv_replication(dims.heads, dims.kv_heads, ulysses) if ulysses > 1 else 1
+    links = _Links(hw, gpus_per_node)
+    gemm_rate = hw.flops(gemm_dtype or w.dtype) * eff.gemm
+    attn_rate = hw.flops(w.dtype) * eff.attention
+    mem_rate = hw.memory_GBps * 1e9 * eff.memory
+
+    # -- compute -------------------------------------------------------------------------
+    matmul = dims.layer_params - 2 * h if not dims.attention_only else 0
+    dense_fwd = 2 * tokens * (L * matmul + (h * dims.vocab if dims.vocab and not dims.attention_only else 0))
+    pairs = busiest_pairs(w, ring, lb) * b
+    attn_fwd = 4 * dims.head_dim * (dims.heads / ulysses) * pairs * L
+    per_token = 3 * hq if dims.attention_only else 14 * h + 6 * f
+    elem_fwd = tokens * L * per_token * e + (tokens * dims.vocab * 12 if not dims.attention_only else 0)
+    dense_t, attn_fwd_t, elem_t = dense_fwd / gemm_rate, attn_fwd / attn_rate, elem_fwd / mem_rate
+    recompute = {"none": 0.0, "selective": elem_t, "full": dense_t + attn_fwd_t + elem_t}[point.ac]
+    passes = 3 + (1 if point.ac != "none" else 0)
+    overhead = eff.layer_overhead_ms * 1e-3 * L * passes
+    attention_t = attn_fwd_t * (1 + BACKWARD)
+    # the ring merges each block's partial output into float32 accumulators (forward), and accumulates
+    # float32 dq, dk, dv (backward): about 12 + 24 bytes per query element per further ring step
+    merge = L * (ring - 1) * tokens * hq * 36 / mem_rate if ring > 1 else 0.0
+    compute = 3 * dense_t + attention_t + 3 * elem_t + recompute + overhead + merge
+
+    # -- communication (per layer, this rank) -----------------------------------------------
+    comm: dict[str, float] = {}
+    exposed = 0.0
+    if ring > 1:
+        block = 2 * b * (dims.kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e
+        fwd = links.seconds((ring - 1) * block, ring - 1, cp)
+        bwd = links.seconds((ring - 1) * block * (1 + 4 / e), 2 * (ring - 1), cp)
+        passes_fwd = 2 if point.ac == "full" else 1
+        ring_t = L * (passes_fwd * fwd + bwd)
+        comm["ring"] = ring_t
+        overlapped = c.rotate_method == "alltoall" or w.documents is not None or w.window is not None
+        if overlapped:  # step k's block travels while step k-1's is computed
+            hidden_by = (attention_t + (attn_fwd_t if point.ac == "full" else 0)) * (ring - 1) / ring
+            exposed += max(0.0, ring_t - hidden_by)
+        else:
+            exposed += ring_t
+    if ulysses > 1:
+        moved = b * (s // cp) * (2 * hq + 2 * kv * rep) * e * (ulysses - 1) / ulysses
+        one = links.seconds(moved, 4 * (ulysses - 1), ulysses)
+        comm["ulysses"] = L * (2 + (1 if point.ac == "full" else 0)) * one
+        exposed += comm["ulysses"]
+    shards = world if point.fsdp else 1
+    if dims.params and world > 1:
+        if point.fsdp:
+            per_layer = links.seconds(dims.layer_params * (2 * e + 4) * (world - 1) / world, 3 * (world - 1), world)
+            fsdp_t = L * per_layer + links.seconds(dims.params - L * dims.layer_params, 3, world)
+            comm["fsdp"] = fsdp_t
+            exposed += max(0.0, fsdp_t - compute) + per_layer  # the first gather is not hidden
+        elif point.sync == "allreduce":
+            comm["allreduce"] = links.seconds(2 * dims.params * 4 * (world - 1) / world, 2, world)
+            exposed += comm["allreduce"]
+    step = compute + exposed
+    time = {"dense": 3 * dense_t, "attention": attention_t, "elementwise": 3 * elem_t, "recompute": recompute,
+            "ring_merge": merge, "overhead": overhead, "layer_passes": L * passes, "compute": compute, **{f"comm_{k}": v for k, v in comm.items()},
+            "communication": sum(comm.values()), "exposed_communication": exposed}
+
+    # -- memory (per rank) -----------------------------------------------------------------
+    p = dims.params
+    gathered = (2 * dims.layer_params + dims.vocab * h) * e if point.fsdp and p and world > 1 else 0
+    lse = dims.heads * 4
+    ring_extra = hq * 4 + lse if ring > 1 else 0
+    swapped = (2 * hq + 2 * kv * rep) * e if ulysses > 1 else 0
+    if dims.attention_only:
+        full_layer = (3.5 if ring == 1 else 5.5) * hq * e + swapped
+        kept = {"none": full_layer, "selective": full_layer, "full": hq * e}[point.ac]
+    else:
+        # what autograd keeps of a Llama-style block: two norms (input, normalized, output: 3h each), q and k
+        # before and after rotary, v, the attention's output and its transposed copy, four MLP tensors
+        full_layer = (6 * h + 4 * hq + 3 * kv + 4 * f) * e + lse + ring_extra + swapped
+        kept = {"none": full_layer, "selective": (3 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + swapped,
+                "full": h * e}[point.ac]
+    # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
+    # layer's recomputed activations too
+    activations = tokens * (L * kept + full_layer + (full_layer if point.ac != "none" else 0))
+    logits = tokens * dims.vocab * (e + 8) if not dims.attention_only else 0
+    q_local = tokens * hq
+    kv_local = tokens * kv * rep
+    temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
+    if ring > 1:
+        block_bytes = 2 * b * (dims.kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e
+        temps += int(block_bytes * (ring + 1 if c.rotate_method == "allgather" and w.documents is None
+                                    and w.window is None else 3))
+    if ulysses > 1:
+        temps += 2 * (2 * q_local + 2 * kv_local) * e
+    memory = {"baseline": hw.baseline_bytes, "parameters": 4 * p // shards, "gradients": 4 * p // shards,
+              "optimizer": (8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
+              "activations": int(activations), "logits": int(logits), "attention_buffers": int(temps)}
+    peak = sum(memory.values())
+    tps = dp * b * s / step
+    pred = Prediction(point=point, step_s=step, tokens_per_s=tps, tokens_per_s_per_gpu=tps / world, time=time,
+                      memory=memory, peak_bytes=int(peak))
+    budget = hw.memory_bytes if budget is None else budget
+    if peak > budget:
+        pred.infeasible = f"predicted peak {peak / 2**30:.1f}GiB > budget {budget / 2**30:.1f}GiB"
+        pred.bottleneck = "memory"
+    elif exposed > 0.25 * step:
+        pred.bottleneck = f"exposed communication ({exposed / step:.0%} of the step)"
+    else:
+        pred.bottleneck = "compute" + (f" ({exposed / step:.0%} exposed communication)" if exposed > 0.01 * step else "")
+    return pred

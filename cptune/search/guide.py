@@ -1,0 +1,88 @@
+"""The plan inside a search: trials in predicted order, the model recalibrated after each, and a config skipped
+when the calibrated model says, beyond its own measured error, that it cannot fit or cannot come near the best.
+
+The rule (``skip``): once ``MIN_TRIALS`` configurations are measured, the step model is calibrated on
+them (:func:`cptune.plan.calibrate`) and its error is the worst leave-one-out relative error over
+them, ``e``. A configuration is skipped when its calibrated prediction x (1 + e) is still below the
+best measured tokens/s x (1 - INDIFFERENCE), or its calibrated peak x (1 - e_memory) is still above
+the budget. It is recorded as "skipped by plan: ..." with both figures; ``--exhaustive`` runs it.
+"""
+
+from __future__ import annotations
+
+from ..config import CPConfig
+from ..errors import CPTuneError, ValidationError
+from ..plan import Calibration, Point, Prediction, calibrate, dims_from_workload, for_device, predict
+from ..sizes import format_size
+from ..workload import Workload
+from .racing import INDIFFERENCE
+
+MIN_TRIALS = 3
+"""Measured trials before the plan may skip anything (its error is a leave-one-out error: 3 at least)."""
+SKIPPED = "skipped by plan"
+
+
+class Guide:
+    """Predictions for one study's configurations on the machine at hand, calibrated as trials come in."""
+
+    def __init__(self, workload: Workload, device_type: str, device_name: str, nproc_per_node: int,
+                 budget: int, baseline: int) -> None:
+        try:
+            self.dims = dims_from_workload(workload)
+        except (ValidationError, CPTuneError):  # a model the plan cannot read: the search runs unguided
+            self.dims = None
+        hw = for_device(device_type, device_name)
+        self.hw = hw.model_copy(update={"baseline": max(1, int(baseline))}) if baseline else hw
+        self.workload, self.nproc_per_node, self.budget = workload, nproc_per_node, budget
+        self._raw: dict[str, Prediction] = {}
+        self._seen: dict[str, tuple[Prediction, float, int | None]] = {}
+        self.calibration = Calibration()
+
+    def raw(self, key: str, config: CPConfig, ac: str | None) -> Prediction | None:
+        if self.dims is None:
+            return None
+        if key not in self._raw:
+            w = self.workload.model_copy(update={"ac": ac}) if ac else self.workload
+            point = Point(config, w.ac, sync="fsdp" if w.model is not None else "none")  # as steps.py builds them
+            self._raw[key] = predict(self.dims, w, point, self.hw, self.nproc_per_node, self.budget,
+                                     optimizer=w.model is not None)
+        return self._raw[key]
+
+    def predicted(self, key: str, config: CPConfig, ac: str | None) -> Prediction | None:
+        raw = self.raw(key, config, ac)
+        return None if raw is None else self.calibration.apply(raw)
+
+    def observe(self, key: str, config: CPConfig, ac: str | None, step_s: float | None, peak: int | None) -> None:
+        """A measured trial: recalibrate on every one so far."""
+        raw = self.raw(key, config, ac)
+        if raw is None or not step_s:
+            return
+        self._seen[key] = (raw, step_s, peak)
+        seen = list(self._seen.values())
+        self.calibration = calibrate([s[0] for s in seen], [s[1] for s in seen], [s[2] for s in seen])
+
+    def order(self, candidates: dict[str, tuple[CPConfig, str | None]]) -> list[str]:
+        """Keys by calibrated predicted tokens/s, highest first (unpredictable ones last, in their order)."""
+        def score(key: str) -> float:
+            p = self.predicted(key, *candidates[key])
+            return -(p.tokens_per_s if p is not None else 0.0)
+        return sorted(candidates, key=score)
+
+    def skip(self, key: str, config: CPConfig, ac: str | None, best_tps: float | None) -> str | None:
+        """Why the calibrated plan rules this configuration out, or None (see the module's rule)."""
+        cal = self.calibration
+        if len(self._seen) < MIN_TRIALS or cal.error is None:
+            return None
+        p = self.predicted(key, config, ac)
+        if p is None:
+            return None
+        err = cal.error
+        if best_tps and p.tokens_per_s * (1 + err) < best_tps * (1 - INDIFFERENCE):
+            return (f"{SKIPPED}: predicted {p.tokens_per_s:,.0f} tokens/s, calibrated error {err:.0%}; "
+                    f"at best {p.tokens_per_s * (1 + err):,.0f}, below {1 - INDIFFERENCE:.0%} of the best measured "
+                    f"({best_tps:,.0f})")
+        mem_err = cal.memory_error
+        if mem_err is not None and p.peak_bytes * (1 - mem_err) > self.budget:
+            return (f"{SKIPPED}: predicted peak {format_size(p.peak_bytes)}, calibrated error {mem_err:.0%}; at "
+                    f"least {format_size(p.peak_bytes * (1 - mem_err))} > budget {format_size(self.budget)}")
+        return None

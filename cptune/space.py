@@ -1,0 +1,80 @@
+"""Which configurations exist for a world of ranks, and which can run a workload: the one list the search's
+space and ``cptune plan`` both enumerate (meshes, strategies and their splits), and how a configuration is keyed."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import CPConfig, decide_load_balance
+from .validate import backend_problem
+from .workload import Workload
+
+ROTATE_METHODS = ("allgather", "alltoall")
+
+
+def strategies(world_size: int) -> tuple[str, ...]:
+    """'ring', 'ulysses', and 'hybrid-u<k>' for each Ulysses group size k that leaves a ring of 2 or more."""
+    hybrids = [f"hybrid-u{u}" for u in range(2, world_size // 2 + 1) if world_size % u == 0 and world_size // u >= 2]
+    return ("ring", "ulysses", *hybrids)
+
+
+def mesh_shapes(world_size: int) -> list[tuple[int, int]]:
+    """Every (dp, cp) with dp * cp == world_size, most context-parallel first."""
+    return [(world_size // cp, cp) for cp in range(world_size, 0, -1) if world_size % cp == 0]
+
+
+def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
+    """Backends that can ring-attend on this device and dtype, in PyTorch's priority order."""
+    return [b for b in ("flash", "efficient", "cudnn") if backend_problem(device_type, b, dtype, ring=True) is None]
+
+
+def canonical(config: CPConfig) -> CPConfig:
+    """The same configuration written one way: with cp == 1 the strategy, rotate method and load
+    balancing don't apply; under Ulysses the rotate method and load balancing don't."""
+    if config.mesh_shape and config.mesh_shape[1] == 1:
+        return config.model_copy(update={"rotate_method": "allgather", "load_balance": False, "strategy": "ring",
+                                         "ulysses_degree": None})
+    if config.strategy == "ulysses":
+        return config.model_copy(update={"rotate_method": "allgather", "load_balance": False})
+    return config
+
+
+def config_key(config: CPConfig, ac: str | None = None) -> str:
+    """One name per distinct configuration (with ``ac``: the activation checkpointing a search tries with it)."""
+    c = canonical(config)
+    dp, cp = c.mesh_shape
+    backend = "+".join(c.sdpa_backend) + (f"-ac-{ac}" if ac else "")
+    if c.strategy == "ulysses":
+        return f"dp{dp}-cp{cp}-ulysses-{backend}"
+    strategy = f"hybrid{c.ulysses_degree}-" if c.strategy == "hybrid" else ""  # ring keys as before strategies
+    return f"dp{dp}-cp{cp}-{strategy}{c.rotate_method}-{'lb' if c.load_balance else 'nolb'}-{backend}"
+
+
+def config_from(params: dict) -> CPConfig:
+    dp, cp = (int(x) for x in params["mesh"].split("x"))
+    strategy, _, u = params.get("strategy", "ring").partition("-u")
+    lb = bool(params["load_balance"]) and strategy != "ulysses"
+    return canonical(CPConfig(mesh_shape=(dp, cp), strategy=strategy, ulysses_degree=int(u) if u else None,
+                              rotate_method=params["rotate_method"], sdpa_backend=(params["sdpa_backend"],),
+                              load_balance=lb))
+
+
+def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None) -> str | None:
+    """Why ``config`` can never run this workload (on ``device_type``'s kernels; None: not checked), or None."""
+    dp, cp = config.mesh_shape
+    s = workload.seq_len
+    split = config.degree_problems(cp)
+    if split:
+        return f"{config.strategy} with ulysses_degree={config.ulysses_degree} does not split cp={cp}"
+    ulysses, ring = config.degrees(cp)
+    if s % cp:
+        return f"sequence length {s} is not divisible by cp={cp}"
+    balance = decide_load_balance(config.load_balance, causal=workload.causal, cp=cp, ring=ring, seq_len=s)
+    if balance.problems:
+        return balance.problems[0].message
+    if ulysses > 1 and workload.heads % ulysses:
+        return f"{workload.heads} heads do not divide among {ulysses} Ulysses ranks"
+    if device_type is None:  # a plan for a cluster not at hand: kernels are not checked here
+        return None
+    why = backend_problem(device_type, config.sdpa_backend[0], workload.torch_dtype, ring=ring > 1)
+    return f"sdpa_backend {config.sdpa_backend[0]}: {why}" if why else None

@@ -1,0 +1,197 @@
+"""cptune plan: the step model, hardware profiles, calibration, the CLI and predicted recipes (no ranks, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import cptune
+import cptune.plan as P
+from cptune.errors import ValidationError
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_8B = ROOT / "examples/models/llama-3.1-8b"
+TINY = ROOT / "tests/models/tiny-llama"
+
+
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The command as a user runs it, in a process of its own."""
+    return subprocess.run([sys.executable, "-m", "cptune", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _run(*args: str):
+    """The same command in this process (click's runner): its exit code, stdout and stderr."""
+    from cptune.cli import main
+
+    try:
+        runner = CliRunner(mix_stderr=False)  # click 8.1 mixes them unless told
+    except TypeError:
+        runner = CliRunner()  # click 8.2 and later keep stderr apart
+    return runner.invoke(main, list(args), catch_exceptions=False)
+
+
+def _dims() -> P.ModelDims:
+    return P.dims_from_config(LLAMA_8B)
+
+
+def _predict(config: cptune.CPConfig, ac: str = "none", seq_len: int = 131072, **kw) -> P.Prediction:
+    dims = _dims()
+    return P.predict(dims, P.plan_workload(dims, seq_len, **kw), P.Point(config, ac), P.load_hardware("h100"), 8)
+
+
+def test_plan_answers_for_a_64_gpu_cluster_in_seconds(tmp_path):
+    started = time.monotonic()
+    out = _cli("plan", "--model", str(LLAMA_8B), "--seq-len", "131072", "--gpus", "64", "--gpus-per-node", "8",
+               "--hardware", "h100", "--memory-budget", "80GiB", "--json")
+    elapsed = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert elapsed < 60, elapsed  # seconds, with the interpreter's and torch's import
+    plan = json.loads(out.stdout)
+    preds = plan["predictions"]
+    assert plan["gpus"] == 64 and len(preds) > 100
+    labels = {p["point"]["label"] for p in preds}
+    assert any("hybrid" in x for x in labels) and any("ulysses" in x for x in labels)
+    assert {p["point"]["ac"] for p in preds} == {"none", "selective", "full"}
+    feasible = [p for p in preds if p["infeasible"] is None]
+    assert feasible and plan["best"]["point"] == feasible[0]["point"]
+    rates = [p["tokens_per_s_per_gpu"] for p in feasible]
+    assert rates == sorted(rates, reverse=True)
+    for p in preds:  # every row: a peak, a time split, and a bottleneck or the reason it cannot run
+        assert p["peak_bytes"] > 0 and p["time"]["compute"] > 0 and p["bottleneck"]
+        if p["infeasible"]:
+            assert "budget" in p["infeasible"] and p["peak_bytes"] > 80 * 2**30
+    assert any(p["infeasible"] for p in preds)  # dp-only at 131072 tokens does not fit 80GiB
+    assert all(p["point"]["config"]["mesh_shape"][1] > 1 for p in feasible[:5])
+    assert any("32 heads do not divide among 64 Ulysses ranks" in r["reason"] for r in plan["invalid"])
+
+
+def test_a_predicted_recipe_says_so_wherever_it_is_read(tmp_path):
+    recipe_path = tmp_path / "pred.yaml"
+    out = _run("plan", "--model", str(LLAMA_8B), "--seq-len", "65536", "--gpus", "16", "--hardware", "h200",
+               "--out", str(recipe_path))
+    assert out.exit_code == 0, out.stderr
+    assert "best (predicted):" in out.stdout and "predicted recipe" in out.stderr
+    recipe = cptune.load_recipe(recipe_path)
+    assert not recipe.metrics.measured and recipe.metrics.predicted_by.startswith("cptune plan on H200")
+    assert not recipe.figures_apply and recipe.figures_status().startswith("predicted, not measured")
+    assert recipe.launch.nnodes == 2 and recipe.launch.nproc_per_node == 8
+    assert recipe.workload.ac in ("none", "selective", "full") and recipe.workload.model == str(LLAMA_8B)
+    assert recipe_path.read_text().splitlines()[2].startswith("# PREDICTED, NOT MEASURED")
+    shown = _run("show", str(recipe_path))
+    assert shown.exit_code == 0, shown.stderr
+    assert "predicted:" in shown.stdout and "tokens/s per GPU" in shown.stdout and "measured : no" in shown.stdout
+    launched = _cli("launch", str(recipe_path), "--dry-run", "--rdzv-endpoint", "node0:29500", "--",
+                    str(ROOT / "examples/train_hf.py"))  # after --: click's runner does not split there
+    assert launched.returncode == 0, launched.stderr
+    assert "predicted by cptune plan, not measured" in launched.stderr
+    assert "--nnodes=2" in launched.stdout
+
+
+def test_plan_errors_name_the_option():
+    out = _run("plan", "--model", str(LLAMA_8B), "--seq-len", "8192", "--gpus", "12", "--gpus-per-node", "8")
+    assert out.exit_code == 1 and "--gpus-per-node" in out.stderr
+    out = _run("plan", "--model", str(LLAMA_8B), "--seq-len", "8192", "--gpus", "8", "--hardware", "tpu9")
+    assert out.exit_code == 1 and "--hardware" in out.stderr and "h100" in out.stderr
+    out = _run("plan", "--dims", "32,4096", "--seq-len", "8192", "--gpus", "8")
+    assert out.exit_code == 1 and "--dims" in out.stderr
+    out = _run("plan", "--model", str(LLAMA_8B), "--seq-len", "0", "--gpus", "64")
+    assert out.exit_code == 1 and "--seq-len" in out.stderr
+
+
+def test_dims_come_from_the_config_or_by_hand():
+    tiny = P.dims_from_config(TINY)
+    assert (tiny.layers, tiny.hidden, tiny.heads, tiny.kv_heads, tiny.head_dim, tiny.ffn, tiny.vocab) == \
+        (2, 64, 4, 2, 16, 128, 256)
+    assert P.dims_from_config(TINY, {"num_hidden_layers": 6}).layers == 6
+    big = _dims()
+    assert 7.9e9 < big.params < 8.1e9  # Llama 3.1 8B
+    by_hand = _run("plan", "--dims", "32,4096,32,8,14336,128256", "--seq-len", "32768", "--gpus", "8", "--json")
+    assert by_hand.exit_code == 0, by_hand.stderr
+    assert json.loads(by_hand.stdout)["model"]["layers"] == 32
+
+
+def test_the_step_model_follows_the_physics():
+    ring = cptune.CPConfig(mesh_shape=(1, 8), rotate_method="alltoall", load_balance=True)
+    unbalanced = ring.model_copy(update={"load_balance": False})
+    w = cptune.Workload(seq_len=8192, heads=8, head_dim=64)
+    total = P.busiest_pairs(w, 1, False)
+    assert P.busiest_pairs(w, 4, True) == pytest.approx(total / 4, rel=1e-3)
+    assert P.busiest_pairs(w, 4, False) == pytest.approx(total * 7 / 16, rel=1e-2)  # the last shard's
+    packed = w.model_copy(update={"documents": "16"})
+    assert P.busiest_pairs(packed, 1, False) == pytest.approx(total / 16, rel=0.01)
+    # load balancing shortens the step; checkpointing trades time for memory
+    assert _predict(ring).step_s < _predict(unbalanced).step_s
+    none, selective, full = (_predict(ring, ac) for ac in ("none", "selective", "full"))
+    assert none.memory["activations"] > selective.memory["activations"] > full.memory["activations"]
+    assert none.step_s < selective.step_s < full.step_s
+    # more CP: fewer tokens per GPU, less activation memory; FSDP shards the optimizer over dp x cp
+    cp4 = _predict(cptune.CPConfig(mesh_shape=(2, 4), rotate_method="alltoall", load_balance=True))
+    assert cp4.memory["activations"] == pytest.approx(2 * none.memory["activations"], rel=0.01)
+    assert cp4.memory["optimizer"] == none.memory["optimizer"]
+    # PyTorch's all-gather rotation is exposed; the point-to-point ring hides behind the block's compute
+    gather = _predict(ring.model_copy(update={"rotate_method": "allgather"}))
+    assert gather.exposed_s > none.exposed_s
+    # a ring crossing nodes is slower than one inside a node
+    wide = cptune.CPConfig(mesh_shape=(1, 16), rotate_method="allgather", load_balance=True)
+    dims = _dims()
+    inside = P.predict(dims, P.plan_workload(dims, 131072), P.Point(wide), P.load_hardware("h100"), 16)
+    across = P.predict(dims, P.plan_workload(dims, 131072), P.Point(wide), P.load_hardware("h100"), 8)
+    assert across.time["comm_ring"] > inside.time["comm_ring"]
+
+
+def test_nothing_fits_a_tiny_budget_and_the_recipe_says_why():
+    dims = _dims()
+    plan = P.plan(dims, P.plan_workload(dims, 32768), P.load_hardware("a100"), 8, budget=2**30)
+    assert plan.best is None and all(p.infeasible for p in plan.predictions)
+    with pytest.raises(ValidationError, match="--memory-budget"):
+        P.predicted_recipe(plan)
+
+
+def test_every_shipped_profile_cites_its_figures(tmp_path):
+    for name in ("a100", "h100", "h200", "b200", "cpu"):
+        hw = P.load_hardware(name)
+        assert hw.sources and hw.flops("bfloat16") > 0 and hw.memory_bytes > 0 and hw.calibrated_by
+    assert P.load_hardware("h200").memory_bytes > P.load_hardware("h100").memory_bytes
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "x", "peak_tflops": {"bfloat16": 1}, "memory": "80GiB", "memory_GBps": -1,
+                               "intra_node": {"GBps": 1}, "inter_node": {"GBps": 1}}))
+    with pytest.raises(ValidationError, match="--hardware bad.json: memory_GBps"):
+        P.load_hardware(bad)
+    saved = P.load_hardware("h100").save(tmp_path / "mine.json")
+    assert P.load_hardware(saved) == P.load_hardware("h100")
+
+
+def test_calibration_recovers_the_factors_and_reports_its_error():
+    dims = P.dims_from_config(TINY)
+    hw = P.load_hardware("cpu")
+    points = [P.Point(cptune.CPConfig(mesh_shape=(dp, 4 // dp), rotate_method=r, load_balance=lb), ac, sync="none")
+              for dp in (1, 2) for r in ("allgather", "alltoall") for lb in (True, False) for ac in ("none", "full")]
+    preds = [P.predict(dims, P.plan_workload(dims, 4096, dtype="float32"), p, hw, 4, optimizer=False)
+             for p in points]
+    steps = [2.0 * (p.compute_s - p.time["overhead"]) + 3.0 * p.exposed_s + 0.004 * p.time["layer_passes"]
+             for p in preds]
+    peaks = [int(p.memory["baseline"] + 1.2 * (p.peak_bytes - p.memory["baseline"])) for p in preds]
+    cal = P.calibrate(preds, steps, peaks)
+    assert cal.fitted == ("compute", "communication", "layer_overhead_s", "memory")
+    assert cal.compute == pytest.approx(2.0, rel=0.01) and cal.communication == pytest.approx(3.0, rel=0.01)
+    assert cal.layer_overhead_s == pytest.approx(0.004, rel=0.01) and cal.memory == pytest.approx(1.2, rel=1e-3)
+    assert cal.error < 0.01 and cal.memory_error < 0.01
+    few = P.calibrate(preds[:2], steps[:2])
+    assert few.fitted == ("compute",) and few.error is None  # no held-out trial to judge it by
+    folded = P.fold(hw, cal, "a test")
+    assert folded.efficiency.gemm == pytest.approx(hw.efficiency.gemm / 2.0, rel=0.01)
+    assert "a test: compute x2.00" in folded.calibrated_by[-1]
+
+
+def test_a_gpu_benchmark_sets_the_attention_efficiency():
+    results = ROOT / "benchmarks/results/gpu-2026-11-30-1750/results.json"
+    hw = P.from_gpu_benchmark(P.load_hardware("h200"), results)
+    assert hw.efficiency.attention == pytest.approx(310.0 / 989.5, rel=0.01)  # flash at the longest length
+    assert "flash at S=65536" in hw.calibrated_by[-1]
