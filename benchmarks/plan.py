@@ -1,11 +1,13 @@
 """How well ``cptune plan`` predicts, here and against published figures, and what it saves a search.
 
-    python -m benchmarks.plan                   # 2 and 4 gloo ranks (~15 min on 2 cores)
+    python -m benchmarks.plan                   # 2 and 4 gloo ranks (~20 min on 2 cores)
     python -m benchmarks.plan --update-readme   # also rewrite README.md's plan section
+    python -m benchmarks.plan --from-results benchmarks/results/plan-DATE.json --update-readme
 
 1. This machine: ``cptune probe`` measures its rates on 2 (then 4) ranks; a grid search (every
    configuration once: meshes x strategies x splits x rotate x LB x AC none/selective/full, the Llama
-   example's training step ``examples.train_llama_cp:search_step``) measures each. Reported per world
+   example's training step ``examples.train_llama_cp:search_step``) measures each, twice (the second
+   grid says how much a measurement here moves between runs: a ceiling for any prediction). Reported per world
    size: Spearman's rank correlation of predicted vs measured tokens/s, the measured tokens/s of the
    plan's top pick over the measured best, and the worst memory error (predicted / measured peak - 1)
    - with the probe's rates alone, and calibrated on the grid's own trials (each trial predicted by a
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import platform
@@ -37,8 +40,8 @@ import cptune.plan as P
 from cptune.search import MeasureSettings
 
 STEP = "examples.train_llama_cp:search_step"
-WORKLOAD = dict(seq_len=2048, heads=4, kv_heads=2, head_dim=32, layers=2, ac="auto", step=STEP)
-SETTINGS = MeasureSettings(warmup=1, min_repeats=2, max_repeats=4, min_seconds=0.5)
+WORKLOAD = dict(seq_len=4096, heads=4, kv_heads=2, head_dim=32, layers=2, ac="auto", step=STEP)
+SETTINGS = MeasureSettings(warmup=1, min_repeats=3, max_repeats=6, min_seconds=1.0)
 
 TORCHTITAN = {
     "source": "torchtitan docs/performance.md, Table 2: Llama 3.1 8B, 8 H100 (96GB HBM2e, 2.4 TB/s, 500 W), "
@@ -117,12 +120,23 @@ def _loo(rows, preds: list[P.Prediction]) -> list[P.Prediction]:
 def here(nproc: int, work: Path) -> dict:
     workload = cptune.Workload(**WORKLOAD)
     hw = P.probe(nproc)
-    grid_store = f"sqlite:///{work}/grid-{nproc}.db"
-    started = time.monotonic()
-    grid = cptune.search(workload, nproc=nproc, storage=grid_store, confirm=False, exhaustive=True,
-                         settings=SETTINGS, trial_timeout=900)
-    grid_s = time.monotonic() - started
-    rows, baseline = _grid_rows(grid, grid_store)
+    grids, grid_s = [], []
+    for run in range(2):  # the grid twice: how well it agrees with itself bounds any prediction's agreement
+        started = time.monotonic()
+        store = f"sqlite:///{work}/grid-{nproc}-{run}.db"
+        result = cptune.search(workload, nproc=nproc, storage=store, confirm=False, exhaustive=True, sampler="grid",
+                               settings=SETTINGS, trial_timeout=900)  # the space's own order: not the plan's
+        grid_s.append(time.monotonic() - started)
+        grids.append((result, store))
+    rows, baseline = _grid_rows(*grids[0])
+    again = {r.key: r for r in _grid_rows(*grids[1])[0]}
+    rows = [r for r in rows if r.key in again]
+    for r in rows:  # each config's figure: the geometric mean of its two measurements (time and peak alike)
+        other = again[r.key]
+        r.run1, r.run2 = r.tokens_per_s, other.tokens_per_s
+        r.tokens_per_s = math.sqrt(r.tokens_per_s * other.tokens_per_s)
+        r.step_time_s = math.sqrt(r.step_time_s * other.step_time_s)
+        r.peak_bytes = max(r.peak_bytes, other.peak_bytes)
     hw = hw.model_copy(update={"baseline": baseline or hw.baseline_bytes})
     preds = _predict_rows(rows, workload, hw, nproc)
     started = time.monotonic()
@@ -132,11 +146,16 @@ def here(nproc: int, work: Path) -> dict:
     measured = {r.key: r.tokens_per_s for r in rows}
     pick = guided.best
     skipped = [r for r in guided.trials if r.state == "skipped"]
+    moved = [r.run1 / r.run2 for r in rows]  # run 1 / run 2, per config
     return {"nproc": nproc, "probe": hw.model_dump(mode="json"), "probe_only": _judge(rows, preds),
             "calibrated_loo": _judge(rows, _loo(rows, preds)),
-            "search": {"grid_s": grid_s, "guided_s": guided_s, "ratio": guided_s / grid_s,
+            "retest": {"spearman": spearman([r.run1 for r in rows], [r.run2 for r in rows]),
+                       "worst_ratio": max(moved, key=lambda x: abs(math.log(x))),
+                       "median_abs_change": statistics.median(abs(x - 1) for x in moved)},
+            "search": {"grid_s": grid_s[0], "grid_again_s": grid_s[1], "guided_s": guided_s,
+                       "ratio": guided_s / grid_s[0],
                        "measured_by_guided": sum(r.state in ("ok", "infeasible") for r in guided.trials),
-                       "skipped": len(skipped), "configs": len(grid.trials),
+                       "skipped": len(skipped), "configs": len(rows),
                        "pick": pick.label if pick else None,
                        "tuned_over_oracle": measured.get(pick.key, 0.0) / max(measured.values()) if pick else 0.0}}
 
@@ -184,10 +203,16 @@ def summary_lines(results: dict) -> list[str]:
     lines = [f"Latest run: `{results['command']}` on {results['machine']}, {results['date']} "
              f"({results['total_seconds'] / 60:.0f} min). The Llama example's training step "
              f"(`{STEP}`, S={WORKLOAD['seq_len']}, 4 heads / 2 kv x 32, 2 layers, float32), every configuration "
-             "(meshes x strategies x rotate x LB x AC none/selective/full) measured once by a grid search.", "",
+             "(meshes x strategies x rotate x LB x AC none/selective/full) measured by a grid search, twice; a "
+             "configuration's figure is the geometric mean of its two. The first row per world size is how well the "
+             "grid agrees with itself: the ceiling for any prediction on this machine.", "",
              "| ranks | configs | predicted from | Spearman | plan's top pick / measured best | worst memory error |",
              "|---|---|---|---|---|---|"]
     for h in results["here"]:
+        t = h["retest"]
+        lines.append(f"| {h['nproc']} | {h['probe_only']['configs']} | the grid's first run (its second run as measured; "
+                     f"median change {t['median_abs_change']:.0%}, worst {t['worst_ratio']:.2f}x) "
+                     f"| {t['spearman']:.2f} | - | - |")
         for name, key in (("the probe's rates", "probe_only"), ("the grid's other trials", "calibrated_loo")):
             j = h[key]
             mem = f"{j['memory_worst']:+.0%}" if j["memory_worst"] is not None else "-"
@@ -220,8 +245,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="the plan's predictions against measurements and published figures")
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--from-results", default=None, metavar="JSON",
+                        help="Print (and with --update-readme, write) the summary of an earlier run's results file")
     args = parser.parse_args()
-    from .report import publish
+    from .report import publish, replace_readme_section
+
+    if args.from_results:
+        lines = summary_lines(json.loads(Path(args.from_results).read_text()))
+        print("\n".join(lines))
+        if args.update_readme:
+            replace_readme_section("plan", lines)
+        return
 
     started = time.monotonic()
     results = {"command": "python -m benchmarks.plan",
@@ -229,8 +263,11 @@ def main() -> None:
                "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, gloo ranks x 1 thread, "
                           f"torch {torch.__version__}"}
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    results["here"] = []
     with tempfile.TemporaryDirectory() as work:
-        results["here"] = [here(n, Path(work)) for n in args.nproc]
+        for n in args.nproc:
+            results["here"].append(here(n, Path(work)))
+            Path("/tmp/cptune-plan-partial.json").write_text(json.dumps(results, indent=1))  # a long run's progress
     results["torchtitan"] = torchtitan()
     results["ring_flash"] = ring_flash()
     results["total_seconds"] = time.monotonic() - started

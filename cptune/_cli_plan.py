@@ -21,6 +21,8 @@ from .errors import Problem, ValidationError
 @click.option("--gpus-per-node", type=int, default=8, show_default=True)
 @click.option("--hardware", default="h100", show_default=True,
               help="A shipped profile (a100, h100, h200, b200, cpu) or a JSON profile file.")
+@click.option("--gpu-benchmark", default=None, metavar="JSON", type=click.Path(exists=True, dir_okay=False),
+              help="Calibrate the attention rate from `python -m benchmarks.gpu` results on this GPU type.")
 @click.option("--memory-budget", default=None, help="Per-GPU budget, e.g. 80GiB (default: the GPU's memory).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--documents", default=None, metavar="SPEC", help="Packed documents: 16, 'longtail', or lengths.")
@@ -31,8 +33,8 @@ from .errors import Problem, ValidationError
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write the best configuration's recipe here, marked predicted (not measured).")
-def plan_command(model, overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, memory_budget, dtype,
-                 documents, window, ac, show_all, as_json, out) -> None:
+def plan_command(model, overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark, memory_budget,
+                 dtype, documents, window, ac, show_all, as_json, out) -> None:
     """Predict every CP configuration of a cluster not at hand and rank them (no GPU needed).
 
     \b
@@ -58,7 +60,10 @@ def plan_command(model, overrides, dims, seq_len, batch, gpus, gpus_per_node, ha
                             ffn=ffn, vocab=vocab, name="dims")
     workload = P.plan_workload(shape, seq_len, batch, dtype, documents=documents, window=window, model=model,
                                overrides=parse_overrides(overrides))
-    result = P.plan(shape, workload, P.load_hardware(hardware), gpus, gpus_per_node,
+    profile = P.load_hardware(hardware)
+    if gpu_benchmark:
+        profile = P.from_gpu_benchmark(profile, gpu_benchmark)
+    result = P.plan(shape, workload, profile, gpus, gpus_per_node,
                     parse_size(memory_budget) if memory_budget else None,
                     P.AC_MODES if ac == "auto" else (ac,))
     if out:

@@ -1,7 +1,7 @@
 """The ``cptune`` command: each subcommand is a thin call into the library.
 
 In this file's order (what they print: ``_console``): ``search``, ``report``, ``launch``, ``show``,
-``check``, ``index``, ``ls``, ``cp``.
+``check``, ``index``, ``ls``, ``cp``; ``plan`` and ``probe`` live in ``_cli_plan``.
 
 Heavy modules (torch, optuna) are imported inside the commands that use them, so `cptune --help` starts fast.
 Any :class:`~cptune.CPTuneError` becomes a message on stderr and exit code 1; Ctrl-C, exit code 130
@@ -282,7 +282,7 @@ def show(recipe_path, as_json) -> None:
     click.echo("measured : " + figures + (f", compile {m.compile_s:.1f}s (not in tokens/s)"
                                           if m.compile_s is not None and status is None else ""))
     click.echo(f"from     : {p.device_count} x {p.device} ({p.backend}), torch {p.torch_version}, cptune "
-               f"{p.cptune_version}, {p.date}, study {p.study_name} ({p.n_trials} trials)")
+               f"{p.cptune_version}, {p.date}" + (f", study {p.study_name} ({p.n_trials} trials)" if p.study_name else ""))
 
 
 @main.command()
@@ -291,7 +291,8 @@ def show(recipe_path, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the mismatches as JSON (exit 1 if any).")
 def check(recipe_path, world_size, as_json) -> None:
     """Compare RECIPE with this environment; list every mismatch with its fix (exit 1 if any)."""
-    from .recipe import check_recipe, load_recipe
+    from ._recipe_check import check_recipe
+    from .recipe import load_recipe
 
     problems = check_recipe(load_recipe(recipe_path), world_size)
     if as_json:

@@ -45,7 +45,7 @@ def _stop_cleanly(proc, sig, code, seen):
 
 
 SEARCH = ["-m", "cptune", "search", "--seq-len", "256", "--heads", "2", "--head-dim", "16",
-          "--workload", "tests.test_interrupts:paced_step"]
+          "--workload", "tests.test_interrupts:paced_step", "--exhaustive"]  # every config runs: none skipped by plan
 
 
 def _held_search(tmp_path, when, launcher=None):
@@ -114,7 +114,8 @@ def test_signal_during_a_trial_records_it_interrupted_and_resume_measures_it(tmp
     from cptune.search import MeasureSettings, SearchInterrupted, Workload, config_key
 
     storage = f"sqlite:///{tmp_path / 'i.db'}"
-    kw = dict(nproc=2, storage=storage, memory_budget="8GiB", settings=MeasureSettings(min_seconds=0), confirm=False)
+    kw = dict(nproc=2, storage=storage, memory_budget="8GiB", settings=MeasureSettings(min_seconds=0), confirm=False,
+              exhaustive=True)  # every config runs: none skipped by plan
     marker = tmp_path / "slow-trial-running"
     monkeypatch.setenv("CPTUNE_TEST_SLOW", str(marker))
 

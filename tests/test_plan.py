@@ -92,6 +92,10 @@ def test_a_predicted_recipe_says_so_wherever_it_is_read(tmp_path):
     assert launched.returncode == 0, launched.stderr
     assert "predicted by cptune plan, not measured" in launched.stderr
     assert "--nnodes=2" in launched.stdout
+    checked = _run("check", str(recipe_path), "--json")
+    problems = {p["argument"]: p for p in json.loads(checked.stdout)["problems"]}
+    assert checked.exit_code == 1 and "not measured" in problems["metrics.predicted_by"]["message"]
+    assert "provenance.device" not in problems  # a profile's name is not a measured device
 
 
 def test_plan_errors_name_the_option():
@@ -195,3 +199,7 @@ def test_a_gpu_benchmark_sets_the_attention_efficiency():
     hw = P.from_gpu_benchmark(P.load_hardware("h200"), results)
     assert hw.efficiency.attention == pytest.approx(310.0 / 989.5, rel=0.01)  # flash at the longest length
     assert "flash at S=65536" in hw.calibrated_by[-1]
+    out = _run("plan", "--model", str(LLAMA_8B), "--seq-len", "32768", "--gpus", "8", "--hardware", "h200",
+               "--gpu-benchmark", str(results), "--json")
+    assert out.exit_code == 0, out.stderr
+    assert json.loads(out.stdout)["hardware"]["efficiency"]["attention"] == pytest.approx(310.0 / 989.5, rel=0.01)

@@ -21,7 +21,7 @@ def test_tight_budget_then_relaxed_runs_what_now_fits(tmp_path):
     assert tight.best is None and all(r.peak_bytes is None for r in tight.trials)  # none ran
     assert all("> 1.5 x budget 1.00KiB; not run" in r.reason for r in tight.trials)
     relaxed = cptune.search(Workload(seq_len=512, heads=2, head_dim=16), nproc=2, storage=storage,
-                            memory_budget="8GiB", settings=FAST, confirm=False)
+                            memory_budget="8GiB", settings=FAST, confirm=False, exhaustive=True)
     assert relaxed.study_name == tight.study_name  # the same question: the study is resumed
     assert relaxed.evaluated_now == 6 and relaxed.best is not None  # the pruned configs now run
     assert all(r.state == "ok" and "1.00KiB" not in r.reason for r in relaxed.trials)

@@ -141,7 +141,7 @@ def test_hf_trainer_refuses_a_padding_collator_by_name(tmp_path):
 
 
 def test_check_says_when_a_rank_here_cannot_hold_the_measured_peak(tmp_path):
-    from cptune.recipe import check_recipe
+    from cptune._recipe_check import check_recipe
 
     path = _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=64), (1, 2))
     recipe = cptune.load_recipe(path)

@@ -31,6 +31,16 @@ def _timed(fn, min_s: float = 0.3, sync=lambda: None) -> float:
             return elapsed / n
 
 
+def _counted(fn, n: int) -> float:
+    """Seconds per call of a collective, over ``n`` calls after one warm-up and a barrier."""
+    fn()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n
+
+
 def _usage() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -66,12 +76,12 @@ def _measure_rank() -> dict[str, float]:
 
     out["layer_pass_s"] = _timed(tiny_layer) / 3
     world = dist.get_world_size()
-    if world > 1:
+    if world > 1:  # collectives: the same count on every rank (a rank timing on its own would hang the others)
         chunk = torch.empty(2 * 2**20)  # 8 MiB per rank
         gathered = [torch.empty_like(chunk) for _ in range(world)]
-        out["link_Bps"] = chunk.numel() * 4 * (world - 1) / _timed(lambda: dist.all_gather(gathered, chunk))
+        out["link_Bps"] = chunk.numel() * 4 * (world - 1) / _counted(lambda: dist.all_gather(gathered, chunk), 8)
         one = torch.zeros(1)
-        out["latency_s"] = _timed(lambda: dist.all_reduce(one), min_s=0.1)
+        out["latency_s"] = _counted(lambda: dist.all_reduce(one), 50)
     out["baseline_bytes"] = _usage()
     return out
 

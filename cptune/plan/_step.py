@@ -142,7 +142,11 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     per_token = 3 * hq if dims.attention_only else 14 * h + 6 * f
     elem_fwd = tokens * L * per_token * e + (tokens * dims.vocab * 12 if not dims.attention_only else 0)
     dense_t, attn_fwd_t, elem_t = dense_fwd / gemm_rate, attn_fwd / attn_rate, elem_fwd / mem_rate
-    recompute = {"none": 0.0, "selective": elem_t, "full": dense_t + attn_fwd_t + elem_t}[point.ac]
+    # selective checkpointing keeps the matmuls and the ring's attention ops; without a ring (cp = 1, or
+    # Ulysses alone) attention is a plain SDPA call, which the policies recompute like the elementwise ops
+    kept_attention = ring > 1
+    recompute = {"none": 0.0, "selective": elem_t + (0.0 if kept_attention else attn_fwd_t),
+                 "full": dense_t + attn_fwd_t + elem_t}[point.ac]
     passes = 3 + (1 if point.ac != "none" else 0)
     overhead = eff.layer_overhead_ms * 1e-3 * L * passes
     attention_t = attn_fwd_t * (1 + BACKWARD)

@@ -3,6 +3,8 @@
 :func:`run_study` opens the study (:mod:`.study`), then a :class:`_StudyRun` asks Optuna for
 configurations until every open one is answered (or ``n_trials`` / ``timeout``), measures each
 on the evaluator's ranks (or rules it out without running), and races the leaders within noise.
+Configurations are proposed in the plan's order (:mod:`.guide`: best predicted first, recalibrated
+after each trial; ``sampler='tpe'`` lets TPE propose instead), and the plan may skip one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from . import racing
 from .evaluate import SPMDEvaluator, TrialFailed
 from .guide import Guide
 from .interrupts import Interrupts, SearchInterrupted
-from .measure import summarize
+from .measure import summarize, tokens_per_step
 from .memory import PRUNE_FACTOR, predict_peak
 from .records import INTERRUPTED, TrialRecord, over_budget_reason, pruned_reason, record_from
 from .result import SearchResult
@@ -83,13 +85,22 @@ class _StudyRun:
                                    t.user_attrs.get("peak_bytes"))
 
     def _next_open(self) -> str:
+        """The next open configuration: the plan's best predicted (``sampler='grid'``: the space's own order)."""
         todo = {k: (config_from(p), p.get("ac")) for k, p in self.open_points.items() if k not in self.done}
-        return self.guide.order(todo)[0] if self.guide is not None else next(iter(todo))
+        if self.guide is None or self.settings.sampler == "grid":
+            return next(iter(todo))
+        return self.guide.order(todo)[0]
 
     def _best_measured(self) -> float | None:
-        ok = [t.value for t in self.done.values() if t.state == optuna.trial.TrialState.COMPLETE
-              and t.user_attrs.get("feasible") and t.value]
-        return max(ok) if ok else None
+        """The best feasible figure so far at the low end of its noise range (a lucky high reading of the
+        best must not rule others out)."""
+        lows = []
+        for t in self.done.values():
+            if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("feasible") and t.value:
+                r = record_from(t, self.settings.budget, self.settings.margin)
+                racing.apply_spread(r, tokens_per_step(self._workload(r.ac), r.config))
+                lows.append(racing.noise_range(r)[0])
+        return max(lows) if lows else None
 
     def run(self, storage) -> SearchResult:
         s, world = self.settings, self.evaluator.world_size
@@ -106,7 +117,8 @@ class _StudyRun:
                 break
             if s.timeout is not None and time.monotonic() - started >= s.timeout:
                 break
-            if exhaustive or duplicates >= 10:  # next open configuration (TPE: it kept proposing finished ones)
+            planned = s.sampler == "auto" and self.guide is not None and self.guide.dims is not None
+            if exhaustive or planned or duplicates >= 10:  # the next open one (TPE: it kept proposing finished ones)
                 self.study.enqueue_trial(self.open_points[self._next_open()], skip_if_exists=True)
                 duplicates = 0
             trial = self.study.ask()

@@ -3,9 +3,10 @@ when the calibrated model says, beyond its own measured error, that it cannot fi
 
 The rule (``skip``): once ``MIN_TRIALS`` configurations are measured, the step model is calibrated on
 them (:func:`cptune.plan.calibrate`) and its error is the worst leave-one-out relative error over
-them, ``e``. A configuration is skipped when its calibrated prediction x (1 + e) is still below the
-best measured tokens/s x (1 - INDIFFERENCE), or its calibrated peak x (1 - e_memory) is still above
-the budget. It is recorded as "skipped by plan: ..." with both figures; ``--exhaustive`` runs it.
+them, ``e``. A configuration is skipped when its calibrated prediction x (1 + e) is still below
+(1 - INDIFFERENCE) x the best measured figure taken at the low end of its noise range (the racing
+module's: at least -15 % from few steps), or its calibrated peak x (1 - e_memory) is still above
+the budget. It is recorded as "skipped by plan: ..." with the figures; ``--exhaustive`` runs it.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class Guide:
         return sorted(candidates, key=score)
 
     def skip(self, key: str, config: CPConfig, ac: str | None, best_tps: float | None) -> str | None:
-        """Why the calibrated plan rules this configuration out, or None (see the module's rule)."""
+        """Why the calibrated plan rules this configuration out, or None (see the module's rule); ``best_tps``:
+        the best measured figure at the low end of its noise range."""
         cal = self.calibration
         if len(self._seen) < MIN_TRIALS or cal.error is None:
             return None
@@ -80,7 +82,7 @@ class Guide:
         if best_tps and p.tokens_per_s * (1 + err) < best_tps * (1 - INDIFFERENCE):
             return (f"{SKIPPED}: predicted {p.tokens_per_s:,.0f} tokens/s, calibrated error {err:.0%}; "
                     f"at best {p.tokens_per_s * (1 + err):,.0f}, below {1 - INDIFFERENCE:.0%} of the best measured "
-                    f"({best_tps:,.0f})")
+                    f"at the low end of its noise ({best_tps:,.0f})")
         mem_err = cal.memory_error
         if mem_err is not None and p.peak_bytes * (1 - mem_err) > self.budget:
             return (f"{SKIPPED}: predicted peak {format_size(p.peak_bytes)}, calibrated error {mem_err:.0%}; at "
