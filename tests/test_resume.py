@@ -29,7 +29,7 @@ def test_tight_budget_then_relaxed_runs_what_now_fits(tmp_path):
 
 def test_measured_trials_are_rejudged_against_todays_budget(study_env):  # noqa: F811
     storage, log = study_env
-    kw = dict(nproc=2, storage=storage, measure=fake_measure, settings=MeasureSettings(min_seconds=0))
+    kw = dict(nproc=2, storage=storage, measure=fake_measure, settings=MeasureSettings(min_seconds=0), exhaustive=True)
     first = cptune.search(Workload(seq_len=1024), memory_budget="2GiB", **kw)
     assert first.best.config.label() == "dp1·cp2 alltoall lb flash"  # dp2 (3 GiB) is over 2 GiB
     measured = log.read_text().split()
@@ -41,7 +41,7 @@ def test_measured_trials_are_rejudged_against_todays_budget(study_env):  # noqa:
 
 def test_margin_and_headroom(study_env):  # noqa: F811
     storage, _ = study_env
-    kw = dict(nproc=2, storage=storage, measure=fake_measure, settings=MeasureSettings(min_seconds=0))
+    kw = dict(nproc=2, storage=storage, measure=fake_measure, settings=MeasureSettings(min_seconds=0), exhaustive=True)
     # dp1-cp2-alltoall-lb peaks at 1 GiB plus a fresh rank's memory (P): a budget of 1.03 P fits it
     # exactly, but not with a 5 % margin on top
     one = cptune.search(Workload(seq_len=1024), memory_budget="8GiB", memory_margin=0.0, **kw)

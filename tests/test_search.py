@@ -103,7 +103,7 @@ def study_env(tmp_path, monkeypatch):
 def _search(storage, **kw):
     kw.setdefault("memory_budget", "2GiB")
     return cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=fake_measure,
-                         settings=MeasureSettings(min_seconds=0), **kw)
+                         settings=MeasureSettings(min_seconds=0), exhaustive=True, **kw)  # every config: no plan skips
 
 
 def test_finds_known_best_respects_budget_and_resumes(study_env):
@@ -143,7 +143,7 @@ def test_survives_a_failing_a_killed_and_a_hanging_trial(study_env, monkeypatch)
 def test_invalid_configs_are_never_run(study_env):
     storage, log = study_env
     result = cptune.search(Workload(seq_len=6, heads=3), nproc=2, storage=storage, measure=fake_measure,
-                           memory_budget="2GiB", settings=MeasureSettings(min_seconds=0))
+                           memory_budget="2GiB", settings=MeasureSettings(min_seconds=0), exhaustive=True)
     # Each valid config once: their steps do not vary, so no range overlaps the leader's (no race).
     assert sorted(log.read_text().split()) == ["dp1-cp2-allgather-nolb-flash", "dp1-cp2-alltoall-nolb-flash",
                                                "dp2-cp1-allgather-nolb-flash"]
@@ -195,7 +195,8 @@ def test_real_search_measures_compiled_checkpointed_steps(tmp_path):
     """--compile --ac selective: the proxy runs as training will; compile time is kept apart."""
     workload = Workload(seq_len=256, heads=2, head_dim=16, layers=2, compile=True, ac="selective")
     result = cptune.search(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'c.db'}", memory_budget="8GiB",
-                           settings=MeasureSettings(warmup=1, min_repeats=2, min_seconds=0), confirm=False)
+                           settings=MeasureSettings(warmup=1, min_repeats=2, min_seconds=0), confirm=False,
+                           exhaustive=True)  # every config measured: none skipped by plan
     assert result.complete and "compiled-acselective" in result.study_name
     for r in result.trials:
         assert r.state == "ok" and r.tokens_per_s > 0 and r.predicted_bytes is None  # no model: measured only
@@ -256,7 +257,7 @@ def noisy_measure(workload, config, settings):
 
 def test_racing_measures_only_contenders_and_declares_a_tie(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=noisy_measure,
+    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=noisy_measure, exhaustive=True,
                            memory_budget="4GiB", settings=MeasureSettings(min_seconds=2.0))
     runs = [line.split() for line in log.read_text().splitlines()]
     assert all(float(sec) == 0.5 for _, sec, _ in runs)  # screening and race rounds: a quarter of min_seconds
@@ -292,7 +293,7 @@ def close_measure(workload, config, settings):
 
 def test_few_steps_are_not_trusted_closer_than_the_noise_floor(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=close_measure,
+    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=close_measure, exhaustive=True,
                            memory_budget="4GiB", settings=MeasureSettings(min_seconds=0))
     runs = log.read_text().split()
     # 2 steps each with no spread, yet 8 % apart is inside the few-steps floor: both race. Paired,
@@ -316,7 +317,7 @@ def settle_measure(workload, config, settings):
 
 def test_the_race_stops_when_more_rounds_cannot_change_the_choice_by_more_than_3_percent(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=settle_measure,
+    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=settle_measure, exhaustive=True,
                            memory_budget="4GiB", settings=MeasureSettings(min_seconds=0))
     a2a, ag = "dp1-cp2-alltoall-lb-flash", "dp1-cp2-allgather-lb-flash"
     # allgather-lb at 0.952: inside round 2's 7.1 % margin (so not out), yet it cannot beat the pick
