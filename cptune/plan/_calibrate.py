@@ -151,12 +151,11 @@ def calibrate(preds: Sequence[Prediction], steps: Sequence[float], peaks: Sequen
                           fitted=("compute", "communication", "layer_overhead_s"))
     else:
         cal = Calibration(compute=coef[0], communication=coef[0], fitted=("compute",))
-    ratios = [(m - p.memory["baseline"]) / (p.peak_bytes - p.memory["baseline"])
-              for p, m in zip(preds, peaks) if m and p.peak_bytes > p.memory["baseline"]]
+    pairs = [(p, m) for p, m in zip(preds, peaks) if m and p.peak_bytes > p.memory["baseline"]]
+    ratios = [(m - p.memory["baseline"]) / (p.peak_bytes - p.memory["baseline"]) for p, m in pairs]
     memory = statistics.median(ratios) if ratios else 1.0
     mem_err = None
     if len(ratios) >= 2:
-        pairs = [(p, m) for p, m in zip(preds, peaks) if m and p.peak_bytes > p.memory["baseline"]]
         mem_err = max(abs((p.memory["baseline"] + memory * (p.peak_bytes - p.memory["baseline"])) / m - 1)
                       for p, m in pairs)
     return replace(cal, memory=memory, trials=len(preds), error=error, memory_error=mem_err,

@@ -129,6 +129,10 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     tokens = b * s // cp  # this rank's tokens (before Ulysses' exchange)
     h, hq, kv, f, L = dims.hidden, dims.q_width, dims.kv_width, dims.ffn, dims.layers
     rep = kv_replication(dims.heads, dims.kv_heads, ulysses) if ulysses > 1 else 1
+    block = 2 * b * (dims.kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e  # one ring step's K and V
+    exchanged = (2 * hq + 2 * kv * rep) * e if ulysses > 1 else 0  # per token: what Ulysses swaps (q, k, v, out)
+    # the point-to-point rotation, and cptune's masked ring with either one, send the next block during this one's
+    prefetched = c.rotate_method == "alltoall" or w.documents is not None or w.window is not None
     links = _Links(hw, gpus_per_node)
     gemm_rate = hw.flops(gemm_dtype or w.dtype) * eff.gemm
     attn_rate = hw.flops(w.dtype) * eff.attention
@@ -159,21 +163,18 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     comm: dict[str, float] = {}
     exposed = 0.0
     if ring > 1:
-        block = 2 * b * (dims.kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e
         fwd = links.seconds((ring - 1) * block, ring - 1, cp)
         bwd = links.seconds((ring - 1) * block * (1 + 4 / e), 2 * (ring - 1), cp)
         passes_fwd = 2 if point.ac == "full" else 1
         ring_t = L * (passes_fwd * fwd + bwd)
         comm["ring"] = ring_t
-        overlapped = c.rotate_method == "alltoall" or w.documents is not None or w.window is not None
-        if overlapped:  # step k's block travels while step k-1's is computed
+        if prefetched:  # step k's block travels while step k-1's is computed
             hidden_by = (attention_t + (attn_fwd_t if point.ac == "full" else 0)) * (ring - 1) / ring
             exposed += max(0.0, ring_t - hidden_by)
         else:
             exposed += ring_t
     if ulysses > 1:
-        moved = b * (s // cp) * (2 * hq + 2 * kv * rep) * e * (ulysses - 1) / ulysses
-        one = links.seconds(moved, 4 * (ulysses - 1), ulysses)
+        one = links.seconds(tokens * exchanged * (ulysses - 1) / ulysses, 4 * (ulysses - 1), ulysses)
         comm["ulysses"] = L * (2 + (1 if point.ac == "full" else 0)) * one
         exposed += comm["ulysses"]
     shards = world if point.fsdp else 1
@@ -196,15 +197,14 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     gathered = (2 * dims.layer_params + dims.vocab * h) * e if point.fsdp and p and world > 1 else 0
     lse = dims.heads * 4
     ring_extra = hq * 4 + lse if ring > 1 else 0
-    swapped = (2 * hq + 2 * kv * rep) * e if ulysses > 1 else 0
     if dims.attention_only:
-        full_layer = (3.5 if ring == 1 else 5.5) * hq * e + swapped
+        full_layer = (3.5 if ring == 1 else 5.5) * hq * e + exchanged
         kept = {"none": full_layer, "selective": full_layer, "full": hq * e}[point.ac]
     else:
         # what autograd keeps of a Llama-style block: two norms (input, normalized, output: 3h each), q and k
         # before and after rotary, v, the attention's output and its transposed copy, four MLP tensors
-        full_layer = (6 * h + 4 * hq + 3 * kv + 4 * f) * e + lse + ring_extra + swapped
-        kept = {"none": full_layer, "selective": (3 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + swapped,
+        full_layer = (6 * h + 4 * hq + 3 * kv + 4 * f) * e + lse + ring_extra + exchanged
+        kept = {"none": full_layer, "selective": (3 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + exchanged,
                 "full": h * e}[point.ac]
     # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
     # layer's recomputed activations too
@@ -213,12 +213,9 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     q_local = tokens * hq
     kv_local = tokens * kv * rep
     temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
-    if ring > 1:
-        block_bytes = 2 * b * (dims.kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e
-        temps += int(block_bytes * (ring + 1 if c.rotate_method == "allgather" and w.documents is None
-                                    and w.window is None else 3))
-    if ulysses > 1:
-        temps += 2 * (2 * q_local + 2 * kv_local) * e
+    if ring > 1:  # PyTorch's all-gather holds every ring rank's block; a rotation, three in flight
+        temps += int(block * (3 if prefetched else ring + 1))
+    temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
     memory = {"baseline": hw.baseline_bytes, "parameters": 4 * p // shards, "gradients": 4 * p // shards,
               "optimizer": (8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
               "activations": int(activations), "logits": int(logits), "attention_buffers": int(temps)}
