@@ -6,34 +6,35 @@ import json
 
 import click
 
+from ._cli_types import COUNT, InputFile, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE
 from .errors import Problem, ValidationError
 
 
 @click.command("plan")
-@click.option("--model", default=None, metavar="PATH", help="A transformers model directory or its config.json.")
-@click.option("--model-override", "overrides", multiple=True, metavar="KEY=VALUE",
+@click.option("--model", type=InputFile(dir_okay=True), default=None, metavar="PATH", help="A transformers model directory or its config.json.")
+@click.option("--model-override", "model_overrides", type=KEY_VALUE, multiple=True, metavar="KEY=VALUE",
               help="Change the model's config first (repeatable), e.g. num_hidden_layers=40.")
-@click.option("--dims", default=None, metavar="L,H,HEADS,KV,FFN,VOCAB",
+@click.option("--dims", type=DIMS, default=None, metavar="L,H,HEADS,KV,FFN,VOCAB",
               help="Instead of --model: layers, hidden, heads, kv heads, ffn, vocab (head_dim = hidden / heads).")
-@click.option("--seq-len", type=int, required=True, help="Tokens per sequence.")
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per data-parallel replica.")
-@click.option("--gpus", type=int, required=True, help="GPUs in the job.")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
-@click.option("--hardware", default="h100", show_default=True,
+@click.option("--seq-len", type=COUNT, required=True, help="Tokens per sequence.")
+@click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences per data-parallel replica.")
+@click.option("--gpus", type=COUNT, required=True, help="GPUs in the job.")
+@click.option("--gpus-per-node", type=COUNT, default=8, show_default=True)
+@click.option("--hardware", type=HARDWARE, default="h100", show_default=True,
               help="A shipped profile (a100, h100, h200, b200, cpu) or a JSON profile file.")
-@click.option("--gpu-benchmark", default=None, metavar="JSON", type=click.Path(exists=True, dir_okay=False),
+@click.option("--gpu-benchmark", default=None, metavar="JSON", type=InputFile(),
               help="Calibrate the attention rate from `python -m benchmarks.gpu` results on this GPU type.")
-@click.option("--memory-budget", default=None, help="Per-GPU budget, e.g. 80GiB (default: the GPU's memory).")
+@click.option("--memory-budget", type=SIZE, default=None, help="Per-GPU budget, e.g. 80GiB (default: the GPU's memory).")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--documents", default=None, metavar="SPEC", help="Packed documents: 16, 'longtail', or lengths.")
-@click.option("--window", type=int, default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
+@click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC", help="Packed documents: 16, 'longtail', or lengths.")
+@click.option("--window", type=click.IntRange(min=0), default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
 @click.option("--ac", type=click.Choice(["auto", "none", "selective", "full"]), default="auto", show_default=True,
               help="Activation checkpointing: auto ranks all three.")
 @click.option("--all", "show_all", is_flag=True, help="Print every configuration (default: the best 20).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Write the best configuration's recipe here, marked predicted (not measured).")
-def plan_command(model, overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark, memory_budget,
+def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark, memory_budget,
                  dtype, documents, window, ac, show_all, as_json, out) -> None:
     """Predict every CP configuration of a cluster not at hand and rank them (no GPU needed).
 
@@ -48,21 +49,18 @@ def plan_command(model, overrides, dims, seq_len, batch, gpus, gpus_per_node, ha
     if (model is None) == (dims is None):
         raise ValidationError([Problem("--model", "give either --model or --dims", "e.g. --model path/to/model "
                                        "or --dims 32,4096,32,8,14336,128256")])
+    if model_overrides and not model:
+        raise ValidationError([Problem("--model-override", "changes a --model's config, and --dims is given",
+                                       "give the changed dims with --dims, or use --model with --model-override")])
     if model:
-        shape = P.dims_from_config(model, parse_overrides(overrides))
+        shape = P.dims_from_config(model, parse_overrides(model_overrides))
     else:
-        try:
-            layers, hidden, heads, kv, ffn, vocab = (int(x) for x in dims.split(","))
-        except ValueError:
-            raise ValidationError([Problem("--dims", f"cannot read {dims!r}", "give six integers: layers, hidden, "
-                                           "heads, kv heads, ffn, vocab")]) from None
-        shape = P.ModelDims(layers=layers, hidden=hidden, heads=heads, kv_heads=kv, head_dim=hidden // heads,
-                            ffn=ffn, vocab=vocab, name="dims")
+        shape = P.dims_from_values(*dims)
     workload = P.plan_workload(shape, seq_len, batch, dtype, documents=documents, window=window, model=model,
-                               overrides=parse_overrides(overrides))
+                               overrides=parse_overrides(model_overrides))
     profile = P.load_hardware(hardware)
     if gpu_benchmark:
-        profile = P.from_gpu_benchmark(profile, gpu_benchmark)
+        profile = P.from_gpu_benchmark(profile, gpu_benchmark, argument="gpu_benchmark")
     result = P.plan(shape, workload, profile, gpus, gpus_per_node,
                     parse_size(memory_budget) if memory_budget else None,
                     P.AC_MODES if ac == "auto" else (ac,))
@@ -84,8 +82,8 @@ def plan_command(model, overrides, dims, seq_len, batch, gpus, gpus_per_node, ha
 
 
 @click.command("probe")
-@click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to measure at once.")
-@click.option("--threads", type=int, default=1, show_default=True, help="Torch threads per rank.")
+@click.option("--nproc", type=COUNT, default=2, show_default=True, help="Ranks to measure at once.")
+@click.option("--threads", type=COUNT, default=1, show_default=True, help="Torch threads per rank.")
 @click.option("--out", type=click.Path(dir_okay=False), required=True, help="Write the hardware profile here.")
 def probe_command(nproc, threads, out) -> None:
     """Measure this machine (GEMM, attention, memory and link rates on real gloo ranks) as a --hardware profile."""

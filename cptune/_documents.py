@@ -193,7 +193,7 @@ def lengths_from_spec(spec: str, seq_len: int) -> list[int]:
     """A workload's document spec as lengths that fill ``seq_len``: ``'16'`` (16 equal documents),
     ``'longtail'`` (a fixed long-tailed mix: a few long documents and many short ones, seed 0) or
     ``'1024,512,...'`` (explicit lengths)."""
-    spec = str(spec).strip()
+    spec = read_spec(spec)
     if spec == "longtail":
         rng, left, out = random.Random(0), seq_len, []
         while left > 0:  # Pareto(1) lengths from 1/256 of the sequence: most short, a few very long
@@ -201,18 +201,29 @@ def lengths_from_spec(spec: str, seq_len: int) -> list[int]:
             out.append(n)
             left -= n
         return out
-    try:
-        values = [int(x) for x in spec.split(",")]
-    except ValueError:
-        values = []
-    if len(values) == 1 and values[0] >= 1:
-        n = values[0]
+    if len(spec) == 1:
+        n = spec[0]
         if seq_len % n:
-            raise ValidationError([Problem("--documents", f"{n} equal documents do not divide {seq_len} tokens",
+            raise ValidationError([Problem("documents", f"{n} equal documents do not divide {seq_len} tokens",
                                            f"use a count that divides {seq_len}, or give lengths")])
         return [seq_len // n] * n
-    if len(values) > 1 and all(v >= 1 for v in values) and sum(values) == seq_len:
-        return values
-    raise ValidationError([Problem("--documents", f"cannot read {spec!r} for {seq_len} tokens",
-                                   "give a count of equal documents (16), 'longtail', or lengths adding up to "
-                                   "--seq-len (1024,512,...)")])
+    if sum(spec) != seq_len:
+        raise ValidationError([Problem("documents", f"lengths {','.join(map(str, spec))} add up to {sum(spec)}, "
+                                       f"not {seq_len} tokens", "give lengths adding up to the sequence length")])
+    return spec
+
+
+def read_spec(spec: object) -> str | list[int]:
+    """A documents spec's form, before any length: 'longtail', or the count / lengths as positive integers."""
+    text = str(spec).strip()
+    if text == "longtail":
+        return text
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValidationError([Problem("documents", f"cannot read {text!r}",
+                                       "give a count of equal documents (16), 'longtail', or lengths adding up to "
+                                       "the sequence length (1024,512,...)")])
+    return values

@@ -61,7 +61,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
                                 "re-run cptune search for this configuration, or set metrics.measured: false"))
     problems += _memory_problems(recipe)
     if world_size is not None:
-        problems += world_size_problems(recipe, world_size, "--world-size")
+        problems += world_size_problems(recipe, world_size, "world_size")
     cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size
     problems += recipe.config.degree_problems(cp)
     ring = recipe.config.degrees(cp)[1] > 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +28,22 @@ _KERNELS = {
 }
 _MESHES: dict[tuple, DeviceMesh] = {}  # meshes cptune built, reused: building one is a collective
 _ACTIVE: list[_Session] = []  # sessions inside a with-block / decorated call, innermost last
+
+
+def release_groups() -> None:
+    """Forget every mesh and group cptune built, so that nothing of cptune's keeps a process group alive.
+
+    A gloo group's C++ object outlives :func:`torch.distributed.destroy_process_group` while anything still
+    refers to it (these caches did), and is then freed during interpreter finalization: its worker thread,
+    dropping its last finished work, needs the GIL of an interpreter being torn down and aborts the
+    process ("terminate called without an active exception"). Freed here, its threads are joined while
+    the interpreter is alive. Also called at exit, so a script that destroys its own group is covered."""
+    _MESHES.clear()
+    _ulysses.release_groups()
+    gc.collect()
+
+
+atexit.register(release_groups)
 
 
 def default_backends() -> tuple[str, ...]:

@@ -83,6 +83,11 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torc
 _SUBGROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
+def release_groups() -> None:
+    """Forget the hybrid groups built so far (:func:`cptune.launch.close_rank`)."""
+    _SUBGROUPS.clear()
+
+
 def hybrid_groups(mesh: DeviceMesh, cp: int, ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """(Ulysses group, ring group) of this rank: CP rank c is Ulysses rank c % u of ring rank c // u.
 

@@ -1,16 +1,17 @@
 """The ``cptune`` command: each subcommand is a thin call into the library.
 
-In this file's order (what they print: ``_console``): ``search``, ``report``, ``launch``, ``show``,
-``check``, ``index``, ``ls``, ``cp``; ``plan`` and ``probe`` live in ``_cli_plan``.
+In this file's order (what they print: ``_console``): ``report``, ``launch``, ``show``,
+``check``, ``index``, ``ls``, ``cp``; ``search`` lives in ``_cli_search``, ``plan`` and
+``probe`` in ``_cli_plan``.
 
 Heavy modules (torch, optuna) are imported inside the commands that use them, so `cptune --help` starts fast.
-Any :class:`~cptune.CPTuneError` becomes a message on stderr and exit code 1; Ctrl-C, exit code 130
+Click checks every option's value (``_cli_types``): a bad one is a usage error naming it, exit code 2. Any
+:class:`~cptune.CPTuneError` becomes a message on stderr (its Python names said as flags) and exit code 1; Ctrl-C, exit code 130
 (``cptune search`` stops cleanly on SIGINT or SIGTERM and says how to resume).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import click
 
+from ._cli_types import COUNT, RECIPE, ENDPOINT, NAME, STORAGE, in_flags
 from .errors import CPTuneError, Problem, ValidationError
-from ._console import print_result, progress, report_search
+from ._console import print_result
 from .sizes import format_size
 
 
@@ -29,8 +31,9 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except CPTuneError as exc:
-            click.secho(f"error: {exc}", fg="red", err=True)
+        except CPTuneError as exc:  # the library names Python arguments; here they become this command's flags
+            command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            click.secho(f"error: {in_flags(exc, command)}", fg="red", err=True)
             ctx.exit(1)
         except KeyboardInterrupt:  # Ctrl-C where no command holds it: the shell's code, not click's "Aborted!"
             click.echo("\ncptune: interrupted", err=True)
@@ -43,120 +46,9 @@ def main() -> None:
     """Context parallelism for PyTorch: search the fastest configuration, write recipes, launch them."""
 
 
-def _init_torchrun() -> bool:
-    """Inside torchrun (RANK set): join its process group. Returns whether this is rank 0."""
-    if "RANK" not in os.environ:
-        return True
-    from .launch import init_rank
-
-    return init_rank()[2] == 0
-
-
 @main.command()
-@click.option("--seq-len", default="4096", show_default=True,
-              help="Tokens per sequence; several, comma-separated (8192,16384,32768), search each on the same ranks.")
-@click.option("--batch", type=int, default=1, show_default=True, help="Sequences per data-parallel replica.")
-@click.option("--heads", type=int, default=8, show_default=True)
-@click.option("--kv-heads", type=int, default=None, help="Key/value heads (GQA); default = --heads.")
-@click.option("--head-dim", type=int, default=64, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--causal/--no-causal", default=True, show_default=True)
-@click.option("--layers", type=int, default=1, show_default=True, help="Attention layers in the proxy step.")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile each proxy layer (compile time reported apart).")
-@click.option("--ac", type=click.Choice(["none", "full", "selective", "auto"]), default="none", show_default=True,
-              help="Activation checkpointing per layer, as the training run will use; auto: search all three.")
-@click.option("--workload", "step", default=None, metavar="MODULE:FUNCTION",
-              help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
-@click.option("--model", default=None, metavar="PATH",
-              help="Tune a transformers model's training step: a local model directory or its config.json.")
-@click.option("--model-override", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Change the model's config before building it (repeatable), e.g. num_hidden_layers=4.")
-@click.option("--documents", default=None, metavar="SPEC",
-              help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
-@click.option("--window", type=int, default=None, metavar="N",
-              help="Causal sliding window: each token attends to N earlier tokens (4095 for sliding_window=4096).")
-@click.option("--nproc", type=int, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
-@click.option("--memory-budget", default=None, help="Per-rank budget with its unit, e.g. 70GiB or 512MiB "
-              "(default: 90% of a GPU, or of RAM/nproc).")
-@click.option("--memory-margin", type=float, default=0.05, show_default=True,
-              help="Safety share on top of each config's worst measured peak (allocator reserve, fragmentation).")
-@click.option("--storage", default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
-@click.option("--study-name", default=None, help="Default: derived from the workload and world size.")
-@click.option("--n-trials", type=int, default=None, help="Trials to run now (default: until every config is done).")
-@click.option("--timeout", type=float, default=None, help="Stop starting trials after this many seconds.")
-@click.option("--trial-timeout", type=float, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
-@click.option("--sampler", type=click.Choice(["auto", "grid", "tpe"]), default="auto", show_default=True)
-@click.option("--exhaustive", is_flag=True, help="Measure every config: the plan orders trials but skips none.")
-@click.option("--min-seconds", type=float, default=1.0, show_default=True,
-              help="Timing scale: screening and each race round time a config for a quarter of this "
-                   "(and of the 20-step cap; 1 step at least).")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
-@click.option("--script", default=None, help="Training script the recipe launches.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def search(seq_len, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model, overrides,
-           documents, window,
-           nproc, device,
-           memory_budget, memory_margin, storage,
-           study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, min_seconds, out, script,
-           as_json) -> None:
-    """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
-
-    \b
-    One machine:  cptune search --seq-len 8192 --nproc 2 --memory-budget 2GiB --out recipes/x.yaml
-    A cluster:    torchrun --nnodes 2 --nproc-per-node 8 ... -m cptune search --seq-len 131072 ...
-    """
-    import optuna
-    import torch
-
-    from .search import MeasureSettings, Workload
-    from .search import search as run_search
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        lengths = [int(x) for x in str(seq_len).split(",") if x.strip()]
-    except ValueError:
-        raise CPTuneError(f"--seq-len: cannot read {seq_len!r}. Fix: give a length like 8192, or several like "
-                          "8192,16384,32768") from None
-    fields = dict(seq_len=lengths[0] if lengths else 0, batch=batch, dtype=dtype, causal=causal, compile=compile_,
-                  ac=ac, step=step, documents=documents, window=window)
-    if model and (heads, kv_heads, head_dim, layers) != (8, None, 64, 1):
-        raise CPTuneError("--heads/--kv-heads/--head-dim/--layers: a --model's come from its config. Fix: leave "
-                          "them out, or change the model with --model-override (num_hidden_layers=4)")
-    if model:  # the attention shape is the model's
-        from .models import model_workload, parse_overrides
-
-        workload = model_workload(model, parse_overrides(overrides), **fields)
-    else:
-        workload = Workload(heads=heads, kv_heads=kv_heads, head_dim=head_dim, layers=layers, **fields)
-    if step and "" not in sys.path:
-        sys.path.insert(0, "")  # --workload modules are found from the current folder, like python -m
-    is_rank0 = _init_torchrun()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if is_rank0:
-        click.echo(f"cptune search: {workload.describe()}", err=True)
-    from .recipe import command_line
-    from .search.interrupts import Interrupts, SearchInterrupted
-
-    results = []
-    try:  # a signal while the result is printed or the recipe written is held to the end, then stops too
-        with Interrupts() if is_rank0 else contextlib.nullcontext():
-            found = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc,
-                               device=device, memory_budget=memory_budget, memory_margin=memory_margin,
-                               storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
-                               trial_timeout=trial_timeout, sampler=sampler, exhaustive=exhaustive,
-                               settings=MeasureSettings(min_seconds=min_seconds), progress=progress())
-            if found is not None:  # None: a torchrun rank other than 0
-                results = found if isinstance(found, list) else [found]
-                report_search(results, as_json, out, script)
-    except SearchInterrupted as exc:
-        click.echo("\n" + exc.after(results).message(command_line()), err=True)
-        sys.exit(exc.exit_code)
-
-
-@main.command()
-@click.argument("study_name", metavar="STUDY")
-@click.option("--storage", default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
+@click.argument("study_name", metavar="STUDY", type=NAME)
+@click.option("--storage", type=STORAGE, default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Write report.png here.")
 @click.option("--json", "as_json", is_flag=True)
 def report(study_name, storage, out, as_json) -> None:
@@ -183,12 +75,12 @@ class _SplitAtDashes(click.Command):
 
 
 @main.command(cls=_SplitAtDashes, context_settings={"ignore_unknown_options": True})
-@click.argument("recipe_path", metavar="RECIPE", type=click.Path())
-@click.argument("extra", nargs=-1, type=click.UNPROCESSED)
+@click.argument("recipe_path", metavar="RECIPE", type=RECIPE)
+@click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[OVERRIDES] [TORCHRUN OPTIONS]")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command instead of running it.")
-@click.option("--nnodes", type=int, default=None, help="Override the recipe's node count.")
-@click.option("--node-rank", type=int, default=None, help="This node's rank (multi-node).")
-@click.option("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (multi-node).")
+@click.option("--nnodes", type=COUNT, default=None, help="Override the recipe's node count.")
+@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank (multi-node).")
+@click.option("--rdzv-endpoint", type=ENDPOINT, default=None, help="HOST:PORT of node 0 (multi-node).")
 def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> None:
     """Run the recipe's training script with torchrun, as RECIPE says.
 
@@ -207,7 +99,7 @@ def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> Non
     options = [x for x in extra if x not in overrides]
     stray = [x for i, x in enumerate(options) if not x.startswith("-") and (i == 0 or not options[i - 1].startswith("-"))]
     if stray:
-        raise ValidationError([Problem("launch", f"{stray[0]!r} is neither an override nor a torchrun option",
+        raise ValidationError([Problem("extra", f"{stray[0]!r} is neither an override nor a torchrun option",
                                        "put the script and its arguments after --: cptune launch RECIPE -- "
                                        "train.py ARGS")])
     recipe = load_recipe(recipe_path)
@@ -241,7 +133,7 @@ def _launch_dir() -> str:
 
 
 @main.command()
-@click.argument("recipe_path", metavar="RECIPE", type=click.Path())
+@click.argument("recipe_path", metavar="RECIPE", type=RECIPE)
 @click.option("--json", "as_json", is_flag=True)
 def show(recipe_path, as_json) -> None:
     """Print RECIPE readably."""
@@ -286,8 +178,8 @@ def show(recipe_path, as_json) -> None:
 
 
 @main.command()
-@click.argument("recipe_path", metavar="RECIPE", type=click.Path())
-@click.option("--world-size", type=int, default=None, help="The job's world size, to compare with the recipe.")
+@click.argument("recipe_path", metavar="RECIPE", type=RECIPE)
+@click.option("--world-size", type=COUNT, default=None, help="The job's world size, to compare with the recipe.")
 @click.option("--json", "as_json", is_flag=True, help="Print the mismatches as JSON (exit 1 if any).")
 def check(recipe_path, world_size, as_json) -> None:
     """Compare RECIPE with this environment; list every mismatch with its fix (exit 1 if any)."""
@@ -342,7 +234,7 @@ def list_recipes(folders, as_json) -> None:
 
 
 @main.command(name="cp")
-@click.argument("name")
+@click.argument("name", type=NAME)
 @click.argument("dest", type=click.Path())
 def copy_recipe(name, dest) -> None:
     """Copy the shipped recipe NAME to DEST (a file or a folder), to edit and launch."""
@@ -351,7 +243,9 @@ def copy_recipe(name, dest) -> None:
     click.echo(f"copied: {copy_shipped(name, dest)}")
 
 
-from ._cli_plan import plan_command, probe_command  # noqa: E402  (their own module: cli.py stays short)
+from ._cli_plan import plan_command, probe_command  # noqa: E402  (their own modules: cli.py stays short)
+from ._cli_search import search_command  # noqa: E402
 
+main.add_command(search_command)
 main.add_command(plan_command)
 main.add_command(probe_command)

@@ -41,6 +41,20 @@ class GroupLost(CPTuneError):
     """The group had to be killed: a job timed out or a rank died. The next run relaunches it."""
 
 
+def describe_exit(code: int | None) -> str:
+    """A process's exit status in words: 'exit code 1', 'killed by SIGABRT', 'still running'."""
+    import signal
+
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,6 +81,23 @@ def init_rank() -> tuple[Any, int, int]:
         if "RANK" in os.environ:
             dist.init_process_group("nccl" if cuda else "gloo")
     return (device, dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (device, 1, 0)
+
+
+def close_rank() -> None:
+    """The end of a process that joined a process group (:func:`init_rank`, a torchrun job, a WorkerGroup
+    rank), once its last collective has returned: every mesh and group cptune built is released and the
+    process group destroyed, while the interpreter is alive. Without it a gloo worker thread can outlive
+    the interpreter's finalization and abort the process (exit by SIGABRT) after all its work was done.
+    A process that leaves on an error or a signal should not call it: its group may hold work whose
+    peers are gone (see the CLI's ``_leave``)."""
+    import torch.distributed as dist
+
+    from ._session import release_groups
+
+    release_groups()  # first: these hold references to the groups
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    release_groups()  # and collect what the destroy let go, now
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,
@@ -102,8 +133,7 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_tim
                     exc = RuntimeError(f"{type(exc).__name__}: {exc}")
                 results.put((rank, job_id, "error", (exc, traceback.format_exc())))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_rank()
 
 
 class WorkerGroup:
@@ -127,6 +157,7 @@ class WorkerGroup:
         self._results: Any = None
         self._job_id = 0
         self.launches = 0
+        self.exitcodes: list[int | None] = []  # how each rank of the last closed group exited
         self.error_grace = 10.0
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -169,6 +200,10 @@ class WorkerGroup:
         deadline = time.monotonic() + 10
         for p in self._procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
+        self.exitcodes = [p.exitcode for p in self._procs]  # None: still running after 10 s, killed now
+        unclean = [f"rank {r}: {describe_exit(c)}" for r, c in enumerate(self.exitcodes) if c != 0]
+        if unclean:  # every result was already returned; a crash at exit is still a defect to see
+            sys.stderr.write(f"cptune: the ranks did not all exit cleanly when closed ({'; '.join(unclean)})\n")
         self.kill()
 
     def __enter__(self) -> WorkerGroup:
@@ -201,7 +236,7 @@ class WorkerGroup:
                 dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None]
                 if dead:
                     self.kill()
-                    raise GroupLost(f"{what}: rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} "
+                    raise GroupLost(f"{what}: rank(s) {', '.join(f'{r} ({describe_exit(c)})' for r, c in dead)} "
                                     "died; the group was shut down") from None
                 if time.monotonic() > deadline:
                     self.kill()

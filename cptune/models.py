@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ._attention import RING_ATTENTION_OPS
 from ._hf import enable
 from ._ulysses import ULYSSES_OPS
+from ._files import read_json_object
 from .errors import Problem, ValidationError, raise_if
 from .workload import Workload
 
@@ -45,7 +46,7 @@ def _transformers(argument: str):
     return transformers
 
 
-def parse_overrides(items: Iterable[str], argument: str = "--model-override") -> dict[str, Any]:
+def parse_overrides(items: Iterable[str], argument: str = "model_overrides") -> dict[str, Any]:
     """``["num_hidden_layers=4", "rope_theta=1e6", "tie_word_embeddings=false"]`` -> a dict (JSON values,
     else the text)."""
     out: dict[str, Any] = {}
@@ -61,7 +62,7 @@ def parse_overrides(items: Iterable[str], argument: str = "--model-override") ->
     return out
 
 
-def config_path(path: str | Path, argument: str = "--model") -> Path:
+def config_path(path: str | Path, argument: str = "model") -> Path:
     """The model's ``config.json``: PATH itself, or PATH/config.json."""
     p = Path(path).expanduser()
     found = p / "config.json" if p.is_dir() else p
@@ -72,23 +73,57 @@ def config_path(path: str | Path, argument: str = "--model") -> Path:
     return found
 
 
-def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, argument: str = "--model"):
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, argument: str = "model"):
     """The model's transformers config from a local directory or config.json, with ``overrides`` applied."""
     transformers = _transformers(argument)
     found = config_path(path, argument)
-    data = json.loads(found.read_text())
+    data = read_json_object(found, argument, "give a model's config.json as save_pretrained writes it")
     if "model_type" not in data:
         raise ValidationError([Problem(argument, f"{found} has no model_type", "use a transformers config.json")])
     fields = {k: v for k, v in data.items() if k != "transformers_version"}
+    known = _config(transformers, fields, argument, found)
     if overrides:  # checked against the config as saved (made with them, any name would be an attribute)
-        known = transformers.AutoConfig.for_model(**fields)
-        unknown = [k for k in overrides if not hasattr(known, k)]
-        raise_if([Problem("--model-override", f"{', '.join(unknown)}: not fields of this {type(known).__name__}",
-                          "use field names from its config.json, e.g. num_hidden_layers")] if unknown else [])
+        raise_if(_override_problems(known, overrides))
     # applied before the config is made, so fields derived from them (head_dim from hidden_size) follow
-    config = transformers.AutoConfig.for_model(**{**fields, **(overrides or {})})
+    config = _config(transformers, {**fields, **overrides}, "model_overrides", found) if overrides else known
     config.use_cache = False
     return config
+
+
+def _config(transformers, fields: dict, argument: str, found: Path):
+    """transformers' config class for ``fields``, its refusals said as cptune's."""
+    model_type = fields["model_type"]
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValidationError([Problem("model", f"{found}: model_type {model_type!r} is not one transformers "
+                                       f"{transformers.__version__} knows", "use a config.json of a model this "
+                                       "transformers supports, or a transformers release that has it")])
+    try:
+        return transformers.AutoConfig.for_model(**fields)
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        text = str(exc).strip().splitlines()
+        raise ValidationError([Problem(argument, f"{type(exc).__name__} from transformers' "
+                                       f"{transformers.CONFIG_MAPPING[model_type].__name__}: "
+                                       f"{text[0][:200] if text else ''}", "give each field a value of its type, "
+                                       "as in the model's config.json")]) from None
+
+
+def _override_problems(known, overrides: Mapping[str, Any]) -> list[Problem]:
+    """Overrides that name no field of ``known``, or give a field a value of another type than it holds."""
+    unknown = [k for k in overrides if not hasattr(known, k)]
+    if unknown:
+        return [Problem("model_overrides", f"{', '.join(unknown)}: not fields of this {type(known).__name__}",
+                        "use field names from its config.json, e.g. num_hidden_layers")]
+    problems = []
+    for key, value in overrides.items():
+        saved = getattr(known, key)
+        kind = type(saved)
+        fits = (value is None or saved is None or kind not in (int, float, bool, str)
+                or isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+                or kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not fits:
+            problems.append(Problem("model_overrides", f"{key}={value!r}: the config holds a {kind.__name__} there "
+                                    f"({saved!r})", f"give {key} a {kind.__name__}, e.g. {key}={json.dumps(saved)}"))
+    return problems
 
 
 def attention_shape(config) -> dict[str, int]:

@@ -102,6 +102,9 @@ class Recipe(StrictModel):
             raise ValidationError([Problem("launch.script", "the recipe names no script and none was given",
                                            "append '-- path/to/train.py [args]' or set launch.script")])
         nnodes = nnodes or launch.nnodes
+        if node_rank is not None and not 0 <= node_rank < nnodes:
+            raise ValidationError([Problem("node_rank", f"is {node_rank} in a job of {nnodes} node(s)",
+                                           f"give each node its rank, 0 to {nnodes - 1}")])
         argv = ["torchrun"]
         if nnodes == 1:
             argv += ["--standalone", "--nnodes=1"]
@@ -260,6 +263,9 @@ def load_recipe(path: str | os.PathLike | None = None) -> Recipe:
         raise ValidationError([Problem("recipe", f"{str(p)!r} does not exist", "check the path; cptune ls lists the shipped and local recipes")])
     try:
         data = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError([Problem("recipe", f"{p} cannot be read as text ({exc})",
+                                       "give a recipe file that cptune search or cptune plan wrote")]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -55,11 +55,11 @@ class Workload(StrictModel):
     def _heads_divide(self) -> Workload:
         if self.kv_heads is not None and self.heads % self.kv_heads:
             divisors = [d for d in range(1, self.heads + 1) if self.heads % d == 0]
-            raise ProblemError(Problem("kv_heads (--kv-heads)", f"{self.kv_heads} does not divide heads "
+            raise ProblemError(Problem("kv_heads", f"{self.kv_heads} does not divide heads "
                                        f"({self.heads})", f"use a divisor of {self.heads}: "
                                        f"{', '.join(map(str, divisors))}, or leave it out for kv_heads = heads"))
         if self.step is not None and (":" not in self.step or self.step.count(":") != 1):
-            raise ProblemError(Problem("step (--workload)", f"{self.step!r} is not 'module:function'",
+            raise ProblemError(Problem("step", f"{self.step!r} is not 'module:function'",
                                        "name an importable function, e.g. examples.train_llama_cp:search_step"))
         if self.documents is not None:
             try:
@@ -67,10 +67,10 @@ class Workload(StrictModel):
             except ValidationError as exc:
                 raise ProblemError(exc.problems[0]) from None
         if self.model is not None and self.step is not None:
-            raise ProblemError(Problem("model (--model)", "is given with --workload", "measure one of them: "
+            raise ProblemError(Problem("model", "is given with --workload", "measure one of them: "
                                        "--model for a transformers model, --workload for your own step"))
         if self.window is not None and not self.causal:
-            raise ProblemError(Problem("window (--window)", "is set for non-causal attention",
+            raise ProblemError(Problem("window", "is set for non-causal attention",
                                        "use --causal with --window (cptune's searches model causal windows)"))
         return self
 

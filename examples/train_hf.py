@@ -235,7 +235,7 @@ def main() -> None:
             with open(args.losses_out, "w") as f:
                 json.dump({"losses": losses, "start": start, "world": world, "dp": dp, "cp": cp}, f)
     if distributed:
-        dist.destroy_process_group()
+        cptune.launch.close_rank()  # meshes, groups, then the process group: before the interpreter ends
 
 
 if __name__ == "__main__":

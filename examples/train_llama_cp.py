@@ -245,7 +245,7 @@ def main() -> None:
                 json.dump({"losses": losses, "world": world, "dp": dp, "cp": cp, "config": config.label(),
                            "compile": args.compile, "ac": args.ac, "fsdp": args.fsdp}, f)
     if distributed:
-        dist.destroy_process_group()
+        cptune.launch.close_rank()  # meshes, groups, then the process group: before the interpreter ends
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cptune
+import cptune.launch
 
 
 class EncoderBlock(nn.Module):
@@ -121,7 +122,7 @@ def main() -> None:
         with open(args.losses_out, "w") as f:
             json.dump({"losses": losses, "world": world}, f)
     if distributed:
-        dist.destroy_process_group()
+        cptune.launch.close_rank()  # meshes, groups, then the process group: before the interpreter ends
 
 
 if __name__ == "__main__":

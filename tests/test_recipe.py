@@ -90,7 +90,7 @@ def test_cli_bad_files_exit_1_without_traceback(tmp_path, content, expected):
 
 def test_cli_missing_recipe_and_missing_script(tmp_path):
     result = CliRunner().invoke(main, ["show", str(tmp_path / "nope.yaml")])
-    assert result.exit_code == 1 and "does not exist" in result.output
+    assert result.exit_code == 2 and "does not exist" in result.output and "cptune ls lists" in result.output
     path = save_recipe(make_recipe(), tmp_path / "r.yaml")
     result = CliRunner().invoke(main, ["launch", str(path), "--", "no_such_script.py"])
     assert result.exit_code == 1 and "'no_such_script.py' does not exist" in result.output

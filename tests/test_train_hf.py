@@ -83,11 +83,11 @@ def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
 
 
 def test_bad_models_are_refused_by_name_before_any_rank_starts(tmp_path):
-    with pytest.raises(cptune.ValidationError, match=r"--model: .*no config.json there.*nothing is downloaded"):
+    with pytest.raises(cptune.ValidationError, match=r"model: .*no config.json there.*nothing is downloaded"):
         cptune.models.load_config(tmp_path)
-    with pytest.raises(cptune.ValidationError, match=r"--model-override: num_layers: not fields of this LlamaConfig"):
+    with pytest.raises(cptune.ValidationError, match=r"model_overrides: num_layers: not fields of this LlamaConfig"):
         cptune.models.load_config(MODEL, {"num_layers": 1})
-    with pytest.raises(cptune.ValidationError, match=r"--model-override: 'layers' is not KEY=VALUE"):
+    with pytest.raises(cptune.ValidationError, match=r"model_overrides: 'layers' is not KEY=VALUE"):
         cptune.models.parse_overrides(["layers"])
     # an override applies before the config is made: what derives from it follows (head_dim from hidden_size)
     assert cptune.models.attention_shape(cptune.models.load_config(MODEL, {"hidden_size": 128})) == \

@@ -18,13 +18,14 @@ each trial predicted by a fit made without it, which is what the search's skip r
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .._files import read_json_object
+from ..errors import Problem, ValidationError
 from ._hardware import Hardware
 from ._step import Prediction
 
@@ -173,13 +174,18 @@ def fold(hw: Hardware, cal: Calibration, what: str) -> Hardware:
                                  "calibrated_by": [*hw.calibrated_by, f"{what}: {cal.describe()}"]})
 
 
-def from_gpu_benchmark(hw: Hardware, results: str | Path, backend: str = "flash") -> Hardware:
+def from_gpu_benchmark(hw: Hardware, results: str | Path, backend: str = "flash", argument: str = "results") -> Hardware:
     """``hw`` with its attention efficiency from ``python -m benchmarks.gpu`` results (its kernel sweep: the
-    TFLOP/s of ``backend`` at the longest length measured)."""
-    data = json.loads(Path(results).read_text())
-    rows = [r for r in data.get("sweep", []) if r.get("backend") == backend]
+    TFLOP/s of ``backend`` at the longest length measured). Results without such a row are an error naming
+    ``argument``: a profile silently left uncalibrated would pass for a calibrated one."""
+    fix = "give the results.json that python -m benchmarks.gpu wrote"
+    data = read_json_object(results, argument, fix)
+    sweep = data.get("sweep")
+    rows = [r for r in sweep if isinstance(r, dict) and r.get("backend") == backend] if isinstance(sweep, list) else []
+    rows = [r for r in rows if isinstance(r.get("seq_len"), int) and isinstance(r.get("tflops"), (int, float))
+            and r["tflops"] > 0]
     if not rows:
-        return hw
+        raise ValidationError([Problem(argument, f"{results} has no {backend} row (seq_len, tflops) in its sweep", fix)])
     top = max(rows, key=lambda r: r["seq_len"])
     share = top["tflops"] / (hw.flops("bfloat16") / 1e12)
     return hw.model_copy(update={

@@ -69,6 +69,20 @@ class ModelDims(StrictModel):
                 f"vocab {self.vocab}")
 
 
+def dims_from_values(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
+                     argument: str = "dims") -> ModelDims:
+    """A model's dims given by hand (``cptune plan --dims``); head_dim is hidden / heads, which must divide."""
+    values = dict(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab)
+    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0 and hidden % heads:
+        raise ValidationError([Problem(argument, f"heads ({heads}) do not divide hidden ({hidden})",
+                                       "give a hidden size that is a multiple of heads (head_dim = hidden / heads)")])
+    try:
+        return ModelDims(**values, head_dim=hidden // heads if isinstance(heads, int) and heads > 0 else 0,
+                         name=argument)
+    except ValidationError as exc:  # a field's problem, said as the argument's
+        raise ValidationError([Problem(f"{argument}: {p.argument}", p.message, p.fix) for p in exc.problems]) from None
+
+
 def _from_fields(data: Mapping[str, Any], name: str) -> ModelDims:
     text = data.get("text_config") or data
     heads = text["num_attention_heads"]
@@ -81,7 +95,7 @@ def _from_fields(data: Mapping[str, Any], name: str) -> ModelDims:
 
 
 def dims_from_config(path: str | Path, overrides: Mapping[str, Any] | None = None,
-                     argument: str = "--model") -> ModelDims:
+                     argument: str = "model") -> ModelDims:
     """A model's dims from its local directory or config.json: through transformers' config when it is
     installed (the loader ``cptune search --model`` uses, so derived fields follow overrides), else the JSON."""
     from .. import models

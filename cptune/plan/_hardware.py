@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..config import StrictModel
-from ..errors import Problem, ValidationError
+from .._files import read_json_object
+from ..errors import Problem, ProblemError, ValidationError
 from ..sizes import parse_size
 
 PROFILES = Path(__file__).with_name("profiles")
@@ -56,13 +57,22 @@ class Hardware(StrictModel):
     calibrated_by: list[str] = Field(default_factory=list)
     """What set the efficiencies: nominal, a benchmark run, a probe of this machine, a study's trials."""
 
+    @field_validator("memory", "baseline")
+    @classmethod
+    def _size(cls, value: str | int, info) -> str | int:
+        try:
+            parse_size(value, info.field_name)
+        except ValidationError as exc:
+            raise ProblemError(exc.problems[0]) from None
+        return value
+
     @property
     def memory_bytes(self) -> int:
-        return parse_size(self.memory)
+        return parse_size(self.memory, "memory")
 
     @property
     def baseline_bytes(self) -> int:
-        return parse_size(self.baseline)
+        return parse_size(self.baseline, "baseline")
 
     def flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype`` (float32 falls back to the lowest listed)."""
@@ -83,7 +93,7 @@ def profile_names() -> list[str]:
     return sorted(p.stem for p in PROFILES.glob("*.json"))
 
 
-def load_hardware(name_or_path: str | Path, argument: str = "--hardware") -> Hardware:
+def load_hardware(name_or_path: str | Path, argument: str = "hardware") -> Hardware:
     """A shipped profile by name (``h100``, ``h200``, ``a100``, ``b200``, ``cpu``) or a JSON file of the same form."""
     text = str(name_or_path)
     path = PROFILES / f"{text.lower()}.json" if text.lower() in profile_names() else Path(text).expanduser()
@@ -91,10 +101,7 @@ def load_hardware(name_or_path: str | Path, argument: str = "--hardware") -> Har
         raise ValidationError([Problem(argument, f"{text!r} is neither a shipped profile nor a file",
                                        f"use one of {', '.join(profile_names())}, or a JSON file like "
                                        f"{PROFILES / 'h100.json'}")])
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValidationError([Problem(argument, f"{path} is not JSON ({exc})", "fix the file")]) from None
+    data = read_json_object(path, argument, f"write a profile like {PROFILES / 'h100.json'}")
     try:
         return Hardware(**data)
     except ValidationError as exc:

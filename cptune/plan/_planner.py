@@ -101,19 +101,19 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     sequences; ranked by predicted tokens/s per GPU, those that fit ``budget`` (default: the GPU's memory) first."""
     problems = []
     if gpus < 1:
-        problems.append(Problem("--gpus", f"is {gpus}", "give the number of GPUs, e.g. 64"))
+        problems.append(Problem("gpus", f"is {gpus}", "give the number of GPUs, e.g. 64"))
     if gpus_per_node < 1 or (gpus > gpus_per_node and gpus % gpus_per_node):
-        problems.append(Problem("--gpus-per-node", f"{gpus_per_node} does not divide --gpus {gpus} into whole nodes",
+        problems.append(Problem("gpus_per_node", f"{gpus_per_node} does not divide --gpus {gpus} into whole nodes",
                                 "give the GPUs per node (8 on DGX/HGX machines), a divisor of --gpus"))
     bad = [a for a in ac_modes if a not in AC_MODES]
     if bad:
-        problems.append(Problem("--ac", f"{', '.join(bad)} not among {', '.join(AC_MODES)}", "use auto or one of them"))
+        problems.append(Problem("ac", f"{', '.join(bad)} not among {', '.join(AC_MODES)}", "use auto or one of them"))
     raise_if(problems)
     budget = hardware.memory_bytes if budget is None else budget
     calibration = calibration or Calibration()
     valid, invalid = points(workload, gpus, ac_modes)
     if not valid:
-        raise ValidationError([Problem("--seq-len", f"no configuration of {gpus} GPUs can split this workload: "
+        raise ValidationError([Problem("seq_len", f"no configuration of {gpus} GPUs can split this workload: "
                                        + "; ".join(sorted({r for _, r in invalid})[:3]),
                                        "use a length divisible by the GPU count (x2 for load balancing)")])
     preds = []
@@ -145,7 +145,7 @@ def predicted_recipe(result: Plan, command: str | None = None):
 
     best = result.best
     if best is None:
-        raise ValidationError([Problem("--memory-budget", "no configuration is predicted to fit",
+        raise ValidationError([Problem("memory_budget", "no configuration is predicted to fit",
                                        "raise --memory-budget, add GPUs, or plan a shorter --seq-len")])
     nodes = max(1, result.gpus // result.gpus_per_node)
     config: CPConfig = best.point.config.model_copy(update={"sdpa_backend": None})

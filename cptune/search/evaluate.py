@@ -7,6 +7,7 @@ Both evaluators take a configuration and return every rank's measurement, or rai
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -98,11 +99,25 @@ class SPMDEvaluator:
         return replies
 
     def follow(self) -> None:
-        while True:
-            message = self._broadcast(None)
-            if message is None:
-                return
-            self._serve(message)
+        """Serve rank 0's trials until it closes. A signal ends this rank by the signal itself: rank 0 owns the
+        study and records the trial; this rank has nothing to save, and a Python-level exit (KeyboardInterrupt)
+        would tear the interpreter down under gloo's threads. A driver that is gone is an error in one line."""
+        main = threading.current_thread() is threading.main_thread()
+        old = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        try:
+            while True:
+                try:
+                    message = self._broadcast(None)
+                except RuntimeError as exc:  # rank 0 left without closing (killed, timed out)
+                    raise CPTuneError(f"rank {dist.get_rank()}: rank 0, which drives the search, is gone "
+                                      f"({_one_line(exc)}); this rank stops too. The study keeps what rank 0 "
+                                      "stored: rerun the same torchrun command to resume") from None
+                if message is None:
+                    return
+                self._serve(message)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
     def _ask(self, message: tuple) -> list:
         self._broadcast(message)

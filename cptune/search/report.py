@@ -14,7 +14,7 @@ from .result import SearchResult
 
 
 def load_result(study_name: str, storage: None | str | optuna.storages.BaseStorage = None) -> SearchResult:
-    backend = get_storage(storage)
+    backend = get_storage(storage, must_exist=True)
     names = [s.study_name for s in optuna.get_all_study_summaries(backend)]
     if study_name not in names:
         raise ValidationError([Problem("STUDY", f"there is no study {study_name!r} in {storage or 'cptune.db'}",
@@ -34,7 +34,7 @@ def plot(result: SearchResult, out: str | os.PathLike) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ValidationError([Problem("--out", "needs matplotlib to draw", "pip install matplotlib "
+        raise ValidationError([Problem("out", "needs matplotlib to draw", "pip install matplotlib "
                                        "(or cptune[bench])")]) from None
     rows = [r for r in result.ranked if r.tokens_per_s or r.peak_bytes]
     labels = [r.label + (" *" if r.number in result.equivalent else "") for r in rows]

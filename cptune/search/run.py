@@ -29,16 +29,16 @@ DEFAULT_MARGIN = 0.05
 def _option_problems(n_trials, timeout, trial_timeout, margin, nproc) -> list[Problem]:
     problems = []
     if n_trials is not None and n_trials < 1:
-        problems.append(Problem("--n-trials", f"is {n_trials}", "give 1 or more, or leave it out to run every config"))
+        problems.append(Problem("n_trials", f"is {n_trials}", "give 1 or more, or leave it out to run every config"))
     if timeout is not None and not timeout > 0:
-        problems.append(Problem("--timeout", f"is {timeout}", "give a positive number of seconds, or leave it out"))
+        problems.append(Problem("timeout", f"is {timeout}", "give a positive number of seconds, or leave it out"))
     if not trial_timeout > 0:
-        problems.append(Problem("--trial-timeout", f"is {trial_timeout}", "give a positive number of seconds "
+        problems.append(Problem("trial_timeout", f"is {trial_timeout}", "give a positive number of seconds "
                                 "(default 300)"))
     if not 0 <= margin < 1:
-        problems.append(Problem("--memory-margin", f"is {margin}", "give a share in [0, 1), e.g. 0.05 for 5 %"))
+        problems.append(Problem("memory_margin", f"is {margin}", "give a share in [0, 1), e.g. 0.05 for 5 %"))
     if nproc is not None and nproc < 1:
-        problems.append(Problem("--nproc", f"is {nproc}", "use --nproc 1 or more"))
+        problems.append(Problem("nproc", f"is {nproc}", "use 1 or more"))
     return problems
 
 
@@ -48,7 +48,7 @@ def _check_user_step(workload: Workload) -> None:
     try:
         inspect.signature(fn).bind(workload, "cpu")
     except TypeError:
-        raise ValidationError([Problem("--workload", f"{workload.step} cannot be called as fn(workload, device)",
+        raise ValidationError([Problem("step", f"{workload.step} cannot be called as fn(workload, device)",
                                        "define it as def fn(workload, device) -> (step, buffers, seq_dims)")]) from None
     except ValueError:  # no signature to read (a builtin): let the ranks find out
         pass
@@ -114,7 +114,7 @@ def search(
     workload = workload if isinstance(workload, Workload) else Workload(**(workload or {}))
     lengths = list(seq_lens) if seq_lens else [workload.seq_len]
     if any(not isinstance(n, int) or n < 1 for n in lengths):
-        raise ValidationError([Problem("--seq-len", f"{lengths} holds a length that is not a positive integer",
+        raise ValidationError([Problem("seq_lens", f"{lengths} holds a length that is not a positive integer",
                                        "give lengths like 8192 or 8192,16384,32768")])
     workloads = [Workload(**{**workload.model_dump(), "seq_len": n}) for n in lengths]  # each length checked
     settings = settings or MeasureSettings()
@@ -123,16 +123,16 @@ def search(
         problems.append(Problem("sampler", f"unknown sampler {sampler!r}", "use 'auto', 'grid' or 'tpe'"))
     if memory_budget is not None:
         try:
-            parse_size(memory_budget)
+            parse_size(memory_budget, "memory_budget")
         except ValidationError as exc:
             problems += exc.problems
     if not dist.is_initialized():
         device = device or "cpu"
         if device not in ("cpu", "cuda"):
-            problems.append(Problem("--device", f"unknown device {device!r}", "use cpu or cuda"))
+            problems.append(Problem("device", f"unknown device {device!r}", "use cpu or cuda"))
         elif device == "cuda":
             if not torch.cuda.is_available():
-                problems.append(Problem("--device", "is cuda but this machine has no usable CUDA GPU",
+                problems.append(Problem("device", "is cuda but this machine has no usable CUDA GPU",
                                         "use --device cpu, or run on a GPU machine with a CUDA build of torch"))
     raise_if(problems)
     if workload.step:

@@ -77,11 +77,11 @@ def load_user_step(spec: str) -> Callable[[Workload, torch.device], tuple[StepFn
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValidationError([Problem("--workload", f"cannot import {module_name!r}: {exc}",
+        raise ValidationError([Problem("step", f"cannot import {module_name!r}: {exc}",
                                        "make the module importable (run from its folder or install it)")]) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValidationError([Problem("--workload", f"{module_name} has no function {attr!r}",
+        raise ValidationError([Problem("step", f"{module_name} has no function {attr!r}",
                                        f"name a function defined in {module_name}")])
     return fn
 

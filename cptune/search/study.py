@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -27,14 +28,21 @@ from .space import pytorch_default
 DEFAULT_STORAGE = "sqlite:///cptune.db"
 
 
-def get_storage(storage: None | str | optuna.storages.BaseStorage) -> optuna.storages.BaseStorage:
-    """None: a local SQLite file; a URL (sqlite, postgresql, ...); or an Optuna storage object."""
+def get_storage(storage: None | str | optuna.storages.BaseStorage, must_exist: bool = False) -> optuna.storages.BaseStorage:
+    """None: a local SQLite file; a URL (sqlite, postgresql, ...); or an Optuna storage object. ``must_exist``
+    (a reader): a SQLite file that is not there is an error, not a new empty database."""
     if storage is None:
         storage = DEFAULT_STORAGE
+    if must_exist and isinstance(storage, str) and storage.startswith("sqlite:///"):
+        path = Path(storage[len("sqlite:///"):].split("?")[0])
+        if str(path) != ":memory:" and not path.is_file():
+            raise ValidationError([Problem("storage", f"{storage!r}: there is no file {path}",
+                                           "give the storage the search wrote (default sqlite:///cptune.db, in the "
+                                           "folder the search ran in)")])
     try:
         return optuna.storages.get_storage(storage)
     except Exception as exc:  # noqa: BLE001 - optuna raises many kinds for a bad URL
-        raise ValidationError([Problem("--storage", f"cannot open {storage!r}: {exc}",
+        raise ValidationError([Problem("storage", f"cannot open {storage!r}: {exc}",
                                        "give a URL like sqlite:///cptune.db or postgresql://user@host/db")]) from None
 
 
@@ -83,7 +91,7 @@ def open_study(storage, name: str, asked: dict[str, Any], world: int, device: st
         if attrs.get("world_size") != world:
             changes.append(f"world size {attrs.get('world_size')} -> {world}")
         if changes:
-            raise ValidationError([Problem("--study-name", f"study {name!r} was measured for another question "
+            raise ValidationError([Problem("study_name", f"study {name!r} was measured for another question "
                                            f"({'; '.join(changes)})", "leave --study-name out (each question "
                                            "gets its own study), or give a new name")])
     study.set_user_attr("memory_budget", budget)

@@ -1,0 +1,202 @@
+"""What the CLI's options take, as click types: click checks each value and names the option, before the command
+runs. The rules themselves live in the library (a size is :func:`~cptune.sizes.parse_size`'s, a documents spec is
+the Workload's); these types only call them. :func:`in_flags` turns the Python names of a library error into the
+command's flags. Every option of every command has one of these types or one of click's own checked types
+(``IntRange``, ``FloatRange``, ``Choice``, ``Path``, flags): ``tests/test_cli_walk.py`` holds them to it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import click
+
+from .errors import CPTuneError, Problem, ValidationError
+
+
+class _Checked(click.ParamType):
+    """A value read by a library rule: its ValidationError becomes click's message for this option."""
+
+    def read(self, value: str) -> Any:
+        raise NotImplementedError
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return self.read(value)
+        except ValidationError as exc:
+            self.fail("; ".join(f"{p.message}. Fix: {p.fix}" for p in exc.problems), param, ctx)
+
+
+class Size(_Checked):
+    """A memory size with its unit: 70GiB, 512MiB, 2GB."""
+
+    name = "size"
+
+    def read(self, value: str) -> str:
+        from .sizes import parse_size
+
+        parse_size(value, "size")
+        return value
+
+
+class Lengths(_Checked):
+    """One or more positive integers, comma-separated: 8192 or 8192,16384,32768."""
+
+    name = "lengths"
+
+    def read(self, value: str) -> list[int]:
+        parts = [x.strip() for x in value.split(",")]
+        if not value.strip() or not all(re.fullmatch(r"[0-9]+", x) and int(x) > 0 for x in parts):
+            raise ValidationError([Problem("lengths", f"cannot read {value!r} as positive lengths",
+                                           "give a length like 8192, or several like 8192,16384,32768")])
+        return [int(x) for x in parts]
+
+
+class Dims(_Checked):
+    """Six positive integers: layers, hidden, heads, kv heads, ffn, vocab."""
+
+    name = "dims"
+
+    def read(self, value: str) -> tuple[int, ...]:
+        parts = [x.strip() for x in value.split(",")]
+        if len(parts) != 6 or not all(re.fullmatch(r"[0-9]+", x) and int(x) > 0 for x in parts):
+            raise ValidationError([Problem("dims", f"cannot read {value!r} as six positive integers",
+                                           "give layers, hidden, heads, kv heads, ffn, vocab, e.g. "
+                                           "32,4096,32,8,14336,128256")])
+        return tuple(int(x) for x in parts)
+
+
+class KeyValue(_Checked):
+    """KEY=VALUE (a config field and its value); the value is read by the library."""
+
+    name = "key=value"
+
+    def read(self, value: str) -> str:
+        from .models import parse_overrides
+
+        parse_overrides([value], "value")
+        return value
+
+
+class Reference(_Checked):
+    """MODULE:FUNCTION, importable from the current folder (imported by the library before any rank starts)."""
+
+    name = "module:function"
+
+    def read(self, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
+            raise ValidationError([Problem("step", f"{value!r} is not MODULE:FUNCTION",
+                                           "give a module and a function in it, e.g. mytrain:step")])
+        return value
+
+
+class Documents(_Checked):
+    """A packed-documents spec: a count (16), 'longtail', or lengths (1024,512,...); read against --seq-len later."""
+
+    name = "documents"
+
+    def read(self, value: str) -> str:
+        from ._documents import read_spec
+
+        read_spec(value)
+        return value
+
+
+class Storage(_Checked):
+    """An Optuna storage URL: sqlite:///path.db, postgresql+psycopg2://user@host/db, ..."""
+
+    name = "url"
+
+    def read(self, value: str) -> str:
+        if not re.fullmatch(r"[a-z][a-z0-9+]*://.*\S.*", value):
+            raise ValidationError([Problem("storage", f"{value!r} is not a storage URL",
+                                           "give one like sqlite:///cptune.db or postgresql+psycopg2://user@host/db")])
+        return value
+
+
+class Endpoint(_Checked):
+    """HOST:PORT."""
+
+    name = "host:port"
+
+    def read(self, value: str) -> str:
+        match = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^\s:/]+):([0-9]{1,5})", value)
+        if not match or not 0 < int(match[2]) < 65536:
+            raise ValidationError([Problem("endpoint", f"{value!r} is not HOST:PORT",
+                                           "give node 0's host and a free port, e.g. node0:29500")])
+        return value
+
+
+class HardwareProfile(_Checked):
+    """A shipped hardware profile's name (h100, ...) or a JSON profile file, read by :func:`cptune.plan.load_hardware`."""
+
+    name = "profile"
+
+    def read(self, value: str) -> str:
+        from .plan import load_hardware
+
+        load_hardware(value, "hardware")
+        return value
+
+
+class Name(_Checked):
+    """Free text that must not be empty (a study's name)."""
+
+    name = "name"
+
+    def read(self, value: str) -> str:
+        if not value.strip():
+            raise ValidationError([Problem("name", "is empty", "give a name, or leave the option out")])
+        return value
+
+
+class InputFile(click.Path):
+    """A file (or, with ``dir_okay``, a folder) that must exist and whose contents the command reads as data (a
+    recipe, a config.json, a benchmark's JSON): contents that do not read are the library's named errors."""
+
+    def __init__(self, dir_okay: bool = False, fix: str = "") -> None:
+        super().__init__(exists=True, dir_okay=dir_okay)
+        self.fix = fix
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as exc:
+            if not self.fix:
+                raise
+            self.fail(f"{exc.message.rstrip('.')}. Fix: {self.fix}", param, ctx)
+
+
+RECIPE = InputFile(fix="check the path; cptune ls lists the shipped and local recipes")
+SIZE, LENGTHS, DIMS, KEY_VALUE, REFERENCE = Size(), Lengths(), Dims(), KeyValue(), Reference()
+DOCUMENTS, STORAGE, ENDPOINT, NAME, HARDWARE = Documents(), Storage(), Endpoint(), Name(), HardwareProfile()
+COUNT = click.IntRange(min=1)
+"""A count of things (ranks, heads, layers, GPUs, trials): 1 or more."""
+SECONDS = click.FloatRange(min=0, min_open=True)
+"""A positive duration in seconds."""
+
+
+def _same(name: str, param: str) -> bool:
+    """Whether the library's ``name`` is the CLI parameter ``param``: the same, one the plural of the other
+    (seq_lens is --seq-len's), or ``param`` its path (recipe is RECIPE's, held as recipe_path)."""
+    return name == param or name + "s" == param or param + "s" == name or param == name + "_path"
+
+
+def in_flags(exc: CPTuneError, command: click.Command | None) -> CPTuneError:
+    """``exc`` with each problem's Python name (``memory_budget``, ``model``) replaced by ``command``'s flag for it
+    (``--memory-budget``): the library speaks Python, the CLI speaks flags."""
+    if not isinstance(exc, ValidationError) or command is None:
+        return exc
+    def said(p: click.Parameter) -> str:  # an option by its flag, an argument as the usage line shows it
+        return max(p.opts, key=len) if isinstance(p, click.Option) else p.human_readable_name
+
+    def flag(argument: str) -> str:
+        match = re.match(r"([A-Za-z_]\w*)(.*)", argument, re.S)  # the name, then what follows it (a file, a field)
+        for p in command.params if match else []:
+            if _same(match[1], p.name or ""):
+                return said(p) + match[2]
+        return argument
+
+    return ValidationError([Problem(flag(p.argument), p.message, p.fix) for p in exc.problems])

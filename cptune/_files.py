@@ -1,0 +1,22 @@
+"""Reading a JSON file a user gave (a config.json, a hardware profile, a benchmark's results): whatever is wrong with
+it is a ValidationError naming the argument it was given as, never a decoder's traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import Problem, ValidationError
+
+
+def read_json_object(path: str | Path, argument: str, fix: str) -> dict[str, Any]:
+    """The JSON object in ``path``; an unreadable file, text that is not JSON, or JSON that is not an object is an
+    error naming ``argument``, with ``fix``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValidationError([Problem(argument, f"{path} is not a JSON file ({exc})", fix)]) from None
+    if not isinstance(data, dict):
+        raise ValidationError([Problem(argument, f"{path} holds a JSON {type(data).__name__}, not an object", fix)])
+    return data
