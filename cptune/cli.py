@@ -79,8 +79,10 @@ class _SplitAtDashes(click.Command):
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[OVERRIDES] [TORCHRUN OPTIONS]")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command instead of running it.")
 @click.option("--nnodes", type=COUNT, default=None, help="Override the recipe's node count.")
-@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank (multi-node).")
-@click.option("--rdzv-endpoint", type=ENDPOINT, default=None, help="HOST:PORT of node 0 (multi-node).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=None, envvar=["PET_NODE_RANK", "NODE_RANK"],
+              help="This node's rank (multi-node) [env: PET_NODE_RANK, NODE_RANK].")
+@click.option("--rdzv-endpoint", type=ENDPOINT, default=None, envvar="PET_RDZV_ENDPOINT",
+              help="HOST:PORT of node 0 (multi-node) [env: PET_RDZV_ENDPOINT].")
 def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> None:
     """Run the recipe's training script with torchrun, as RECIPE says.
 

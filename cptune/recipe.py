@@ -102,6 +102,9 @@ class Recipe(StrictModel):
             raise ValidationError([Problem("launch.script", "the recipe names no script and none was given",
                                            "append '-- path/to/train.py [args]' or set launch.script")])
         nnodes = nnodes or launch.nnodes
+        if nnodes != launch.nnodes:  # the job's world must be the one the configuration was measured for
+            raise_if([Problem("nnodes", p.message, "leave the node count as the recipe has it, or search again for "
+                              f"{nnodes} node(s)") for p in world_size_problems(self, nnodes * launch.nproc_per_node)])
         if node_rank is not None and not 0 <= node_rank < nnodes:
             raise ValidationError([Problem("node_rank", f"is {node_rank} in a job of {nnodes} node(s)",
                                            f"give each node its rank, 0 to {nnodes - 1}")])
@@ -307,12 +310,16 @@ MODEL_SCRIPT = "examples/train_hf.py"
 """What a --model recipe launches unless told otherwise: it trains the recipe's model on its data settings."""
 
 
-def recipe_from_search(result: Any, script: str | None = None, args: list[str] | None = None,
-                       nnodes: int = 1) -> Recipe:
-    """The recipe for a search's best feasible configuration (``result``: a SearchResult)."""
+def recipe_from_search(result: Any, script: str | None = None, args: list[str] | None = None) -> Recipe:
+    """The recipe for a search's best feasible configuration (``result``: a SearchResult), in the shape it was
+    measured on: its world of ranks as nodes x ranks per node (a torchrun job's LOCAL_WORLD_SIZE per node)."""
     best = result.best
     if best is None:
         raise CPTuneError("the search found no feasible configuration; nothing to write")
+    nnodes, rest = divmod(result.world_size, result.nproc_per_node)
+    if rest:
+        raise CPTuneError(f"the search ran on {result.world_size} ranks, {result.nproc_per_node} on this node: "
+                          "not the same number on every node, which a recipe (nodes x ranks per node) cannot say")
     env = environment(result.device, result.world_size, result.nproc_per_node).provenance()
     recipe = Recipe(
         workload=result.workload.model_copy(update={"ac": best.ac}) if best.ac else result.workload,

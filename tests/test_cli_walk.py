@@ -145,8 +145,7 @@ CONFLICTS = [  # documented pairs that cannot go together, each with the flags i
      "--model"),
     (("plan", "--dims", "32,4096,32,8,14336,128256", "--seq-len", "8192", "--gpus", "8", "--gpus-per-node", "3"),
      "--gpus-per-node"),
-    (("launch", str(RECIPE), "--dry-run", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29500"),
-     "--node-rank"),
+    (("launch", str(RECIPE), "--dry-run", "--nnodes", "2", "--rdzv-endpoint", "node0:29500"), "--nnodes"),
     (("launch", str(RECIPE), "--dry-run", "--node-rank", "1"), "--node-rank"),
     (("check", str(RECIPE), "--world-size", "3"), "--world-size"),
 ]

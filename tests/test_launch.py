@@ -76,3 +76,42 @@ def test_a_dead_rank_is_reported_not_waited_for():
         with pytest.raises(GroupLost, match=r"rank\(s\) 1 \(exit code 3\) died"):
             group.run(_die_on_rank, 1)
         assert time.monotonic() - start < 30
+
+
+def _groups_outlive_a_plain_destroy_but_not_close_rank():
+    """Every group cptune built (the world mesh, a CP block's mesh, hybrid groups), weakly held: a plain
+    destroy_process_group leaves them alive while cptune's caches hold them (then freed during the interpreter's
+    teardown, where gloo's worker threads abort the process); close_rank frees them while it is alive."""
+    import gc
+    import weakref
+
+    import torch
+
+    import cptune
+    from cptune import _session, _ulysses
+    from cptune.launch import close_rank
+
+    mesh = _session.world_mesh("cpu")
+    q = torch.randn(1, 2, 8, 4)
+    with cptune.context_parallel(buffers=[q], seq_dims=[2], config=cptune.CPConfig(load_balance=False)):
+        pass
+    groups = [mesh.get_group(), *_ulysses.hybrid_groups(mesh, 2, 2),
+              *(m.get_group(d) for m in _session._MESHES.values() for d in range(m.ndim))]
+    refs = [weakref.ref(g) for g in groups]
+    del groups, mesh
+    dist.destroy_process_group()
+    gc.collect()
+    held = sum(r() is not None for r in refs)
+    close_rank()
+    return len(refs), held, sum(r() is not None for r in refs), dist.is_initialized()
+
+
+def test_close_rank_frees_every_group_while_the_interpreter_lives_and_ranks_exit_cleanly():
+    group = WorkerGroup(2)
+    try:
+        results = group.run(_groups_outlive_a_plain_destroy_but_not_close_rank)
+    finally:
+        group.close()
+    for made, held_after_destroy, alive_after_close, initialized in results:
+        assert made >= 4 and held_after_destroy == made and alive_after_close == 0 and not initialized
+    assert group.exitcodes == [0, 0]  # each rank's own exit, after its close_rank

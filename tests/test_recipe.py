@@ -127,16 +127,28 @@ def test_dry_run_prints_a_command_that_runs(tmp_path):
     assert "step 0 loss" in run.stdout and "2 rank(s)" in run.stdout
 
 
-def test_multinode_flags_override_recipe(tmp_path):
-    path = save_recipe(make_recipe(), tmp_path / "r.yaml")
+def test_multinode_flags_and_environment_reach_torchrun_and_the_recipe_keeps_its_shape(tmp_path, monkeypatch):
+    two_nodes = make_recipe()
+    two_nodes = two_nodes.model_copy(update={"launch": Launch(nnodes=2, nproc_per_node=1)})
+    path = save_recipe(two_nodes, tmp_path / "r.yaml")
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    out = CliRunner().invoke(main, ["launch", "--dry-run", "--nnodes", "2", "--node-rank", "1",
-                                    "--rdzv-endpoint", "node0:29500", str(path), "--", str(script)])
+    out = CliRunner().invoke(main, ["launch", "--dry-run", "--node-rank", "1", "--rdzv-endpoint", "node0:29500",
+                                    str(path), "--", str(script)])
     argv = shlex.split(out.output)
-    assert "--nnodes=2" in argv and "--node-rank=1" in argv and "--rdzv-endpoint=node0:29500" in argv
-    placeholder = CliRunner().invoke(main, ["launch", "--dry-run", "--nnodes", "2", str(path), "--", str(script)])
+    assert "--nnodes=2" in argv and "--node-rank=1" in argv and "--rdzv-endpoint=node0:29500" in argv, out.output
+    assert "--nproc-per-node=1" in argv
+    placeholder = CliRunner().invoke(main, ["launch", "--dry-run", str(path), "--", str(script)])
     assert placeholder.exit_code == 1 and "pass --rdzv-endpoint" in placeholder.output
+    monkeypatch.setenv("PET_NODE_RANK", "1")  # what a scheduler's torchrun environment says
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "node0:29501")
+    argv = shlex.split(CliRunner().invoke(main, ["launch", "--dry-run", str(path), "--", str(script)]).output)
+    assert "--node-rank=1" in argv and "--rdzv-endpoint=node0:29501" in argv
+    wrong = CliRunner().invoke(main, ["launch", "--dry-run", "--nnodes", "3", str(path), "--", str(script)])
+    assert wrong.exit_code == 1 and "--nnodes: the recipe is for 2 ranks (2 node(s) x 1) but this job has 3" in \
+        wrong.output, wrong.output
+    outside = CliRunner().invoke(main, ["launch", "--dry-run", "--node-rank", "2", str(path), "--", str(script)])
+    assert outside.exit_code == 1 and "--node-rank: is 2 in a job of 2 node(s)" in outside.output, outside.output
 
 
 def _recipe_world_mismatch(path):
