@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._cli_types import COUNT, InputFile, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE
+from ._cli_types import COUNT, OutputFile, InputFile, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE
 from .errors import Problem, ValidationError
 
 
@@ -32,7 +32,7 @@ from .errors import Problem, ValidationError
               help="Activation checkpointing: auto ranks all three.")
 @click.option("--all", "show_all", is_flag=True, help="Print every configuration (default: the best 20).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", type=OutputFile(), default=None,
               help="Write the best configuration's recipe here, marked predicted (not measured).")
 def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark, memory_budget,
                  dtype, documents, window, ac, show_all, as_json, out) -> None:
@@ -84,7 +84,7 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
 @click.command("probe")
 @click.option("--nproc", type=COUNT, default=2, show_default=True, help="Ranks to measure at once.")
 @click.option("--threads", type=COUNT, default=1, show_default=True, help="Torch threads per rank.")
-@click.option("--out", type=click.Path(dir_okay=False), required=True, help="Write the hardware profile here.")
+@click.option("--out", type=OutputFile(), required=True, help="Write the hardware profile here.")
 def probe_command(nproc, threads, out) -> None:
     """Measure this machine (GEMM, attention, memory and link rates on real gloo ranks) as a --hardware profile."""
     from . import plan as P

@@ -10,7 +10,7 @@ import sys
 import click
 
 from ._console import progress, report_search
-from ._cli_types import COUNT, InputFile, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, in_flags
+from ._cli_types import COUNT, OutputFile, InputFile, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, in_flags
 from .errors import CPTuneError
 
 
@@ -78,7 +78,7 @@ def _leave(code: int) -> None:
 @click.option("--min-seconds", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Timing scale: screening and each race round time a config for a quarter of this "
                    "(and of the 20-step cap; 1 step at least).")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the best config's recipe here.")
+@click.option("--out", type=OutputFile(), default=None, help="Write the best config's recipe here.")
 @click.option("--script", type=click.Path(exists=True, dir_okay=False), default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model,

@@ -169,6 +169,25 @@ class InputFile(click.Path):
             self.fail(f"{exc.message.rstrip('.')}. Fix: {self.fix}", param, ctx)
 
 
+class OutputFile(click.Path):
+    """A file the command writes at its end (a recipe, a profile): checked first, so that a long search is not
+    lost to a path that cannot be written (a folder, or a folder that is a file)."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        value = super().convert(value, param, ctx)
+        from pathlib import Path
+
+        folder = Path(value).resolve().parent
+        while not folder.exists():
+            folder = folder.parent
+        if not folder.is_dir():
+            self.fail(f"{value!r} is inside {str(folder)!r}, which is a file. Fix: give a path in a folder", param, ctx)
+        return value
+
+
 RECIPE = InputFile(fix="check the path; cptune ls lists the shipped and local recipes")
 SIZE, LENGTHS, DIMS, KEY_VALUE, REFERENCE = Size(), Lengths(), Dims(), KeyValue(), Reference()
 DOCUMENTS, STORAGE, ENDPOINT, NAME, HARDWARE = Documents(), Storage(), Endpoint(), Name(), HardwareProfile()

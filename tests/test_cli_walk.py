@@ -79,6 +79,8 @@ def bad_values(param: click.Parameter, inputs: dict[str, str]) -> list[str]:
         contents = [inputs[k] for k in ("empty", "notjson", "badyaml", "list", "text", "binary")]
         models = [inputs["model-unknown-type"], inputs["model-notjson"], inputs["folder"]] if t.dir_okay else []
         return [inputs["missing"], *wrong_kind, *contents, *models]
+    if isinstance(t, T.OutputFile):
+        return [inputs["dir"], inputs["empty"] + "/r.yaml"]  # a folder; a path inside a file
     if isinstance(t, click.Path):
         if t.exists:
             return [inputs["missing"], *([inputs["folder"]] if not t.dir_okay else [])]
@@ -292,3 +294,18 @@ def test_library_errors_name_python_arguments_and_only_the_cli_says_flags():
         load_hardware("no-such-gpu")
     with pytest.raises(cptune.ValidationError, match=r"n_trials: is 0"):
         cptune.search(cptune.Workload(seq_len=256), n_trials=0)
+
+
+def _search_with_nproc_inside_a_job():
+    import cptune
+
+    try:
+        cptune.search(cptune.Workload(seq_len=256), nproc=4)
+    except cptune.ValidationError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_nproc_inside_a_torchrun_job_is_refused_on_every_rank_before_any_trial(ranks):
+    said = ranks(2).run(_search_with_nproc_inside_a_job)
+    assert all("nproc: is 4 inside a torchrun job, whose own 2 ranks are measured" in s for s in said), said

@@ -134,6 +134,10 @@ def search(
             if not torch.cuda.is_available():
                 problems.append(Problem("device", "is cuda but this machine has no usable CUDA GPU",
                                         "use --device cpu, or run on a GPU machine with a CUDA build of torch"))
+    if dist.is_initialized() and nproc is not None:
+        problems.append(Problem("nproc", f"is {nproc} inside a torchrun job, whose own {dist.get_world_size()} "
+                                "ranks are measured", "leave it out (torchrun's --nnodes and --nproc-per-node set "
+                                "the ranks)"))
     raise_if(problems)
     if workload.step:
         _check_user_step(workload)
