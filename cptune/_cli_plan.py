@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._cli_types import COUNT, OutputFile, InputFile, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE
+from ._cli_types import COUNT, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE, InputFile, OneOf, OutputFile, Whole
 from .errors import Problem, ValidationError
 
 
@@ -25,10 +25,10 @@ from .errors import Problem, ValidationError
 @click.option("--gpu-benchmark", default=None, metavar="JSON", type=InputFile(),
               help="Calibrate the attention rate from `python -m benchmarks.gpu` results on this GPU type.")
 @click.option("--memory-budget", type=SIZE, default=None, help="Per-GPU budget, e.g. 80GiB (default: the GPU's memory).")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--dtype", type=OneOf(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC", help="Packed documents: 16, 'longtail', or lengths.")
-@click.option("--window", type=click.IntRange(min=0), default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
-@click.option("--ac", type=click.Choice(["auto", "none", "selective", "full"]), default="auto", show_default=True,
+@click.option("--window", type=Whole(0), default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
+@click.option("--ac", type=OneOf(["auto", "none", "selective", "full"]), default="auto", show_default=True,
               help="Activation checkpointing: auto ranks all three.")
 @click.option("--all", "show_all", is_flag=True, help="Print every configuration (default: the best 20).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")

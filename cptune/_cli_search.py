@@ -10,7 +10,8 @@ import sys
 import click
 
 from ._console import progress, report_search
-from ._cli_types import COUNT, OutputFile, InputFile, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, in_flags
+from ._cli_types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, ExistingFile,
+                         InputFile, Number, OneOf, OutputFile, Whole, in_flags)
 from .errors import CPTuneError
 
 
@@ -46,11 +47,11 @@ def _leave(code: int) -> None:
 @click.option("--heads", type=COUNT, default=8, show_default=True, help="Query heads (a --model's come from its config).")
 @click.option("--kv-heads", type=COUNT, default=None, help="Key/value heads (GQA); default = --heads.")
 @click.option("--head-dim", type=COUNT, default=64, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=OneOf(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layers", type=COUNT, default=1, show_default=True, help="Attention layers in the proxy step.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile each proxy layer (compile time reported apart).")
-@click.option("--ac", type=click.Choice(["none", "full", "selective", "auto"]), default="none", show_default=True,
+@click.option("--ac", type=OneOf(["none", "full", "selective", "auto"]), default="none", show_default=True,
               help="Activation checkpointing per layer, as the training run will use; auto: search all three.")
 @click.option("--workload", "step", type=REFERENCE, default=None, metavar="MODULE:FUNCTION",
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")
@@ -60,26 +61,26 @@ def _leave(code: int) -> None:
               help="Change the model's config before building it (repeatable), e.g. num_hidden_layers=4.")
 @click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC",
               help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
-@click.option("--window", type=click.IntRange(min=0), default=None, metavar="N",
+@click.option("--window", type=Whole(0), default=None, metavar="N",
               help="Causal sliding window: each token attends to N earlier tokens (4095 for sliding_window=4096).")
 @click.option("--nproc", type=COUNT, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
+@click.option("--device", type=OneOf(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--memory-budget", type=SIZE, default=None, help="Per-rank budget with its unit, e.g. 70GiB or 512MiB "
               "(default: 90% of a GPU, or of RAM/nproc).")
-@click.option("--memory-margin", type=click.FloatRange(0, 1, max_open=True), default=0.05, show_default=True,
+@click.option("--memory-margin", type=Number(0, 1, below=True, fix="give a share in [0, 1), e.g. 0.05 for 5 %"), default=0.05, show_default=True,
               help="Safety share on top of each config's worst measured peak (allocator reserve, fragmentation).")
 @click.option("--storage", type=STORAGE, default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
 @click.option("--study-name", type=NAME, default=None, help="Default: derived from the workload and world size.")
 @click.option("--n-trials", type=COUNT, default=None, help="Trials to run now (default: until every config is done).")
 @click.option("--timeout", type=SECONDS, default=None, help="Stop starting trials after this many seconds.")
 @click.option("--trial-timeout", type=SECONDS, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
-@click.option("--sampler", type=click.Choice(["auto", "grid", "tpe"]), default="auto", show_default=True)
+@click.option("--sampler", type=OneOf(["auto", "grid", "tpe"]), default="auto", show_default=True)
 @click.option("--exhaustive", is_flag=True, help="Measure every config: the plan orders trials but skips none.")
-@click.option("--min-seconds", type=click.FloatRange(min=0), default=1.0, show_default=True,
+@click.option("--min-seconds", type=Number(0, fix="give 0 or more seconds"), default=1.0, show_default=True,
               help="Timing scale: screening and each race round time a config for a quarter of this "
                    "(and of the 20-step cap; 1 step at least).")
 @click.option("--out", type=OutputFile(), default=None, help="Write the best config's recipe here.")
-@click.option("--script", type=click.Path(exists=True, dir_okay=False), default=None, help="Training script the recipe launches.")
+@click.option("--script", type=ExistingFile("give the training script's path"), default=None, help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model,
                    model_overrides,

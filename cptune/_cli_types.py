@@ -14,6 +14,20 @@ import click
 from .errors import CPTuneError, Problem, ValidationError
 
 
+class _Fixed:
+    """click's own check, its message followed by the fix."""
+
+    fix = ""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return super().convert(value, param, ctx)  # type: ignore[misc]
+        except click.BadParameter as exc:
+            if "Fix:" in exc.message:  # said already (a subclass's own check)
+                raise
+            self.fail(f"{exc.message.rstrip('.')}. Fix: {self.fix}", param, ctx)  # type: ignore[attr-defined]
+
+
 class _Checked(click.ParamType):
     """A value read by a library rule: its ValidationError becomes click's message for this option."""
 
@@ -152,26 +166,44 @@ class Name(_Checked):
         return value
 
 
-class InputFile(click.Path):
+class InputFile(_Fixed, click.Path):
     """A file (or, with ``dir_okay``, a folder) that must exist and whose contents the command reads as data (a
     recipe, a config.json, a benchmark's JSON): contents that do not read are the library's named errors."""
 
     def __init__(self, dir_okay: bool = False, fix: str = "") -> None:
         super().__init__(exists=True, dir_okay=dir_okay)
+        self.fix = fix or f"give the path of an existing file{' or folder' if dir_okay else ''}"
+
+
+class ExistingFile(_Fixed, click.Path):
+    """A file that must exist, read by something else (a training script the recipe launches)."""
+
+    def __init__(self, fix: str) -> None:
+        super().__init__(exists=True, dir_okay=False)
         self.fix = fix
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        try:
-            return super().convert(value, param, ctx)
-        except click.BadParameter as exc:
-            if not self.fix:
-                raise
-            self.fail(f"{exc.message.rstrip('.')}. Fix: {self.fix}", param, ctx)
+
+class Folder(_Fixed, click.Path):
+    """A folder (it need not exist yet where the command makes it)."""
+
+    def __init__(self, fix: str = "give a folder, not a file") -> None:
+        super().__init__(file_okay=False)
+        self.fix = fix
 
 
-class OutputFile(click.Path):
+class OneOf(_Fixed, click.Choice):
+    """One of ``choices``."""
+
+    def __init__(self, choices: list[str]) -> None:
+        super().__init__(choices)
+        self.fix = f"use one of: {', '.join(choices)}"
+
+
+class OutputFile(_Fixed, click.Path):
     """A file the command writes at its end (a recipe, a profile): checked first, so that a long search is not
     lost to a path that cannot be written (a folder, or a folder that is a file)."""
+
+    fix = "give a file's path, not a folder's"
 
     def __init__(self) -> None:
         super().__init__(dir_okay=False)
@@ -191,9 +223,32 @@ class OutputFile(click.Path):
 RECIPE = InputFile(fix="check the path; cptune ls lists the shipped and local recipes")
 SIZE, LENGTHS, DIMS, KEY_VALUE, REFERENCE = Size(), Lengths(), Dims(), KeyValue(), Reference()
 DOCUMENTS, STORAGE, ENDPOINT, NAME, HARDWARE = Documents(), Storage(), Endpoint(), Name(), HardwareProfile()
-COUNT = click.IntRange(min=1)
+class Whole(_Fixed, click.IntRange):
+    """A whole number of at least ``low``."""
+
+    def __init__(self, low: int) -> None:
+        super().__init__(min=low)
+        self.fix = f"give a whole number of at least {low}"
+
+
+class Number(_Fixed, click.FloatRange):
+    """A number in a range (``above``: strictly above ``low``; ``below``: strictly below ``high``)."""
+
+    def __init__(self, low: float, high: float | None = None, above: bool = False, below: bool = False,
+                 fix: str = "") -> None:
+        super().__init__(min=low, max=high, min_open=above, max_open=below)
+        self.fix = fix
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if number != number:  # nan passes every comparison click makes
+            self.fail(f"{value!r} is not a number. Fix: {self.fix}", param, ctx)
+        return number
+
+
+COUNT = Whole(1)
 """A count of things (ranks, heads, layers, GPUs, trials): 1 or more."""
-SECONDS = click.FloatRange(min=0, min_open=True)
+SECONDS = Number(0, above=True, fix="give a positive number of seconds, or leave the option out")
 """A positive duration in seconds."""
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from ._cli_types import COUNT, RECIPE, ENDPOINT, NAME, STORAGE, in_flags
+from ._cli_types import COUNT, ENDPOINT, NAME, RECIPE, STORAGE, Folder, Whole, in_flags
 from .errors import CPTuneError, Problem, ValidationError
 from ._console import print_result
 from .sizes import format_size
@@ -49,7 +49,7 @@ def main() -> None:
 @main.command()
 @click.argument("study_name", metavar="STUDY", type=NAME)
 @click.option("--storage", type=STORAGE, default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
-@click.option("--out", type=click.Path(file_okay=False), default=None, help="Write report.png here.")
+@click.option("--out", type=Folder(), default=None, help="Write report.png here.")
 @click.option("--json", "as_json", is_flag=True)
 def report(study_name, storage, out, as_json) -> None:
     """Print STUDY's ranked table; with --out, a PNG of tokens/s (with spread) and peak memory vs the budget."""
@@ -79,7 +79,7 @@ class _SplitAtDashes(click.Command):
 @click.argument("extra", nargs=-1, type=click.UNPROCESSED, metavar="[OVERRIDES] [TORCHRUN OPTIONS]")
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command instead of running it.")
 @click.option("--nnodes", type=COUNT, default=None, help="Override the recipe's node count.")
-@click.option("--node-rank", type=click.IntRange(min=0), default=None, envvar=["PET_NODE_RANK", "NODE_RANK"],
+@click.option("--node-rank", type=Whole(0), default=None, envvar=["PET_NODE_RANK", "NODE_RANK"],
               help="This node's rank (multi-node) [env: PET_NODE_RANK, NODE_RANK].")
 @click.option("--rdzv-endpoint", type=ENDPOINT, default=None, envvar="PET_RDZV_ENDPOINT",
               help="HOST:PORT of node 0 (multi-node) [env: PET_RDZV_ENDPOINT].")
@@ -199,7 +199,7 @@ def check(recipe_path, world_size, as_json) -> None:
 
 
 @main.command()
-@click.argument("folder", type=click.Path(file_okay=False), default="recipes")
+@click.argument("folder", type=Folder(), default="recipes")
 @click.option("--check", "check_only", is_flag=True, help="Exit 1 if FOLDER/README.md is not up to date.")
 @click.option("--force", is_flag=True, help="Replace a README.md that cptune index did not write.")
 def index(folder, check_only, force) -> None:
@@ -216,7 +216,7 @@ def index(folder, check_only, force) -> None:
 
 
 @main.command(name="ls")
-@click.argument("folders", nargs=-1, type=click.Path(file_okay=False))
+@click.argument("folders", nargs=-1, type=Folder())
 @click.option("--json", "as_json", is_flag=True)
 def list_recipes(folders, as_json) -> None:
     """List the shipped recipes and those in FOLDERS (default: ./recipes and ./runs), with their figures."""

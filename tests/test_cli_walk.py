@@ -206,6 +206,8 @@ def _verdict(result, written, names: list[str]) -> str | None:
         return f"{len(errors)} error lines: {out[-400:]}"
     if not any(n in out for n in names):
         return f"does not name {names[0]}: {out[-400:]}"
+    if "Fix:" not in out:
+        return f"says no fix: {out[-400:]}"
     if "Traceback" in out:
         return "printed a traceback"
     if written:

@@ -99,7 +99,7 @@ def test_explicit_study_from_another_environment_is_refused(study_env):  # noqa:
 def test_bad_options_fail_before_any_rank_starts(tmp_path, args, named):
     result = CliRunner().invoke(main, ["search", "--seq-len", "512", "--storage", f"sqlite:///{tmp_path / 'x.db'}",
                                        *args])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code in (1, 2), result.output  # 2: click's usage error (the option's type refused it)
     assert named in result.output and "Fix:" in result.output
     assert "trial(s) run now" not in result.output and not (tmp_path / "x.db").exists()
 
