@@ -87,7 +87,8 @@ def _env(work: Path) -> dict[str, str]:
 
 def _torchrun(work: Path, records: Path) -> list[str]:
     return [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
-            "-m", "benchmarks.exits", "--record", str(records), "--", *SEARCH, "--storage", f"sqlite:///{work / 's.db'}"]
+            "-m", "benchmarks.exits", "--record", str(records), "--", *SEARCH,
+            "--storage", f"sqlite:///{work / 's.db'}"]
 
 
 def interrupted(work: Path, records: Path, sig: signal.Signals, tally: Tally) -> int:
@@ -135,7 +136,8 @@ def finish(work: Path, records: Path, phase: str, total: int, tally: Tally) -> N
     tally.add(phase, "torchrun", describe(done.returncode), {"exit 0"}, output)
     tally.ranks(phase, records, {}, output)
     measured = done.stdout.split("-----")[-1].count(" yes ")
-    if done.returncode == 0 and (measured != total or (phase == "finished" and "0 trial(s) run now" not in done.stdout)):
+    ran_again = phase == "finished" and "0 trial(s) run now" not in done.stdout
+    if done.returncode == 0 and (measured != total or ran_again):
         tally.unexpected.append(f"{phase}: {measured} of {total} configurations measured\n{done.stdout[-2000:]}")
 
 

@@ -11,7 +11,8 @@ from .errors import Problem, ValidationError
 
 
 @click.command("plan")
-@click.option("--model", type=InputFile(dir_okay=True), default=None, metavar="PATH", help="A transformers model directory or its config.json.")
+@click.option("--model", type=InputFile(dir_okay=True), default=None, metavar="PATH",
+              help="A transformers model directory or its config.json.")
 @click.option("--model-override", "model_overrides", type=KEY_VALUE, multiple=True, metavar="KEY=VALUE",
               help="Change the model's config first (repeatable), e.g. num_hidden_layers=40.")
 @click.option("--dims", type=DIMS, default=None, metavar="L,H,HEADS,KV,FFN,VOCAB",
@@ -24,9 +25,11 @@ from .errors import Problem, ValidationError
               help="A shipped profile (a100, h100, h200, b200, cpu) or a JSON profile file.")
 @click.option("--gpu-benchmark", default=None, metavar="JSON", type=InputFile(),
               help="Calibrate the attention rate from `python -m benchmarks.gpu` results on this GPU type.")
-@click.option("--memory-budget", type=SIZE, default=None, help="Per-GPU budget, e.g. 80GiB (default: the GPU's memory).")
+@click.option("--memory-budget", type=SIZE, default=None,
+              help="Per-GPU budget, e.g. 80GiB (default: the GPU's memory).")
 @click.option("--dtype", type=OneOf(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC", help="Packed documents: 16, 'longtail', or lengths.")
+@click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC",
+              help="Packed documents: 16, 'longtail', or lengths.")
 @click.option("--window", type=Whole(0), default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
 @click.option("--ac", type=OneOf(["auto", "none", "selective", "full"]), default="auto", show_default=True,
               help="Activation checkpointing: auto ranks all three.")
@@ -34,7 +37,8 @@ from .errors import Problem, ValidationError
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
 @click.option("--out", type=OutputFile(), default=None,
               help="Write the best configuration's recipe here, marked predicted (not measured).")
-def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark, memory_budget,
+def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark,
+                 memory_budget,
                  dtype, documents, window, ac, show_all, as_json, out) -> None:
     """Predict every CP configuration of a cluster not at hand and rank them (no GPU needed).
 

@@ -44,13 +44,15 @@ def _leave(code: int) -> None:
 @click.option("--seq-len", "seq_lens", type=LENGTHS, default="4096", show_default=True,
               help="Tokens per sequence; several, comma-separated (8192,16384,32768), search each on the same ranks.")
 @click.option("--batch", type=COUNT, default=1, show_default=True, help="Sequences per data-parallel replica.")
-@click.option("--heads", type=COUNT, default=8, show_default=True, help="Query heads (a --model's come from its config).")
+@click.option("--heads", type=COUNT, default=8, show_default=True,
+              help="Query heads (a --model's come from its config).")
 @click.option("--kv-heads", type=COUNT, default=None, help="Key/value heads (GQA); default = --heads.")
 @click.option("--head-dim", type=COUNT, default=64, show_default=True)
 @click.option("--dtype", type=OneOf(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layers", type=COUNT, default=1, show_default=True, help="Attention layers in the proxy step.")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile each proxy layer (compile time reported apart).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="torch.compile each proxy layer (compile time reported apart).")
 @click.option("--ac", type=OneOf(["none", "full", "selective", "auto"]), default="none", show_default=True,
               help="Activation checkpointing per layer, as the training run will use; auto: search all three.")
 @click.option("--workload", "step", type=REFERENCE, default=None, metavar="MODULE:FUNCTION",
@@ -67,28 +69,28 @@ def _leave(code: int) -> None:
 @click.option("--device", type=OneOf(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--memory-budget", type=SIZE, default=None, help="Per-rank budget with its unit, e.g. 70GiB or 512MiB "
               "(default: 90% of a GPU, or of RAM/nproc).")
-@click.option("--memory-margin", type=Number(0, 1, below=True, fix="give a share in [0, 1), e.g. 0.05 for 5 %"), default=0.05, show_default=True,
+@click.option("--memory-margin", type=Number(0, 1, below=True, fix="give a share in [0, 1), e.g. 0.05 for 5 %"),
+              default=0.05, show_default=True,
               help="Safety share on top of each config's worst measured peak (allocator reserve, fragmentation).")
 @click.option("--storage", type=STORAGE, default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
 @click.option("--study-name", type=NAME, default=None, help="Default: derived from the workload and world size.")
 @click.option("--n-trials", type=COUNT, default=None, help="Trials to run now (default: until every config is done).")
 @click.option("--timeout", type=SECONDS, default=None, help="Stop starting trials after this many seconds.")
-@click.option("--trial-timeout", type=SECONDS, default=300.0, show_default=True, help="Seconds before a trial is a hang.")
+@click.option("--trial-timeout", type=SECONDS, default=300.0, show_default=True,
+              help="Seconds before a trial is a hang.")
 @click.option("--sampler", type=OneOf(["auto", "grid", "tpe"]), default="auto", show_default=True)
 @click.option("--exhaustive", is_flag=True, help="Measure every config: the plan orders trials but skips none.")
 @click.option("--min-seconds", type=Number(0, fix="give 0 or more seconds"), default=1.0, show_default=True,
               help="Timing scale: screening and each race round time a config for a quarter of this "
                    "(and of the 20-step cap; 1 step at least).")
 @click.option("--out", type=OutputFile(), default=None, help="Write the best config's recipe here.")
-@click.option("--script", type=ExistingFile("give the training script's path"), default=None, help="Training script the recipe launches.")
+@click.option("--script", type=ExistingFile("give the training script's path"), default=None,
+              help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model,
-                   model_overrides,
-           documents, window,
-           nproc, device,
-           memory_budget, memory_margin, storage,
-           study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, min_seconds, out, script,
-           as_json) -> None:
+                   model_overrides, documents, window, nproc, device, memory_budget, memory_margin, storage,
+                   study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, min_seconds, out, script,
+                   as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
 
     \b

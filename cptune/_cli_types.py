@@ -144,7 +144,7 @@ class Endpoint(_Checked):
 
 
 class HardwareProfile(_Checked):
-    """A shipped hardware profile's name (h100, ...) or a JSON profile file, read by :func:`cptune.plan.load_hardware`."""
+    """A shipped hardware profile's name (h100, ...) or a JSON profile file (:func:`cptune.plan.load_hardware`)."""
 
     name = "profile"
 

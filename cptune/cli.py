@@ -6,7 +6,8 @@ In this file's order (what they print: ``_console``): ``report``, ``launch``, ``
 
 Heavy modules (torch, optuna) are imported inside the commands that use them, so `cptune --help` starts fast.
 Click checks every option's value (``_cli_types``): a bad one is a usage error naming it, exit code 2. Any
-:class:`~cptune.CPTuneError` becomes a message on stderr (its Python names said as flags) and exit code 1; Ctrl-C, exit code 130
+:class:`~cptune.CPTuneError` becomes a message on stderr (its Python names said as flags) and exit code 1;
+Ctrl-C, exit code 130
 (``cptune search`` stops cleanly on SIGINT or SIGTERM and says how to resume).
 """
 

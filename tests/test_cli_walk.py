@@ -129,7 +129,8 @@ def with_value(base: list[str], cmd: click.Command, param: click.Parameter, valu
 
 
 def _names(param: click.Parameter) -> list[str]:
-    return list(param.opts) + ([param.human_readable_name, param.name.upper()] if isinstance(param, click.Argument) else [])
+    argument = [param.human_readable_name, param.name.upper()] if isinstance(param, click.Argument) else []
+    return list(param.opts) + argument
 
 
 CONFLICTS = [  # documented pairs that cannot go together, each with the flags its error must name
@@ -266,7 +267,8 @@ def test_the_five_calls_found_by_hand_are_refused_by_name(case, inputs, tripwire
     plan = ["plan", "--seq-len", "8192", "--gpus", "8"]
     args, flag, said = {
         "not-json": ([*plan, "--model", inputs["model-notjson"]], "--model", "is not a JSON file"),
-        "unknown-type": ([*plan, "--model", inputs["model-unknown-type"]], "--model", "'no-such-model-type' is not one"),
+        "unknown-type": ([*plan, "--model", inputs["model-unknown-type"]], "--model",
+                         "'no-such-model-type' is not one"),
         "zero-dims": ([*plan, "--dims", "32,4096,0,8,14336,128256"], "--dims", "six positive integers"),
         "override-type": ([*plan, "--model", str(MODEL), "--model-override", "num_hidden_layers=many"],
                           "--model-override", "num_hidden_layers='many': the config holds a int"),

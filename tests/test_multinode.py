@@ -49,7 +49,8 @@ def postgres():
         os.chown(home, user.pw_uid, user.pw_gid)
         as_user = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
     port = free_port()
-    run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=home, **as_user)  # noqa: E731
+    def run(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=home, **as_user)
     made = run(initdb, "-D", str(home / "data"), "-U", "cptune", "--auth=trust")
     if made.returncode != 0:
         pytest.skip(f"initdb could not make a cluster: {made.stderr[-500:]}")

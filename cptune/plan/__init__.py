@@ -19,6 +19,7 @@ from ._probe import probe
 from ._step import Point, Prediction, busiest_pairs, predict
 
 __all__ = ["AC_MODES", "Calibration", "Hardware", "ModelDims", "Plan", "Point", "Prediction", "busiest_pairs",
-           "calibrate", "dims_from_config", "dims_from_values", "dims_from_workload", "fold", "for_device", "from_gpu_benchmark",
+           "calibrate", "dims_from_config", "dims_from_values", "dims_from_workload", "fold", "for_device",
+           "from_gpu_benchmark",
            "load_hardware", "plan", "plan_workload", "points", "predict", "predicted_recipe", "probe",
            "profile_names"]

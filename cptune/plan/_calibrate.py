@@ -174,7 +174,8 @@ def fold(hw: Hardware, cal: Calibration, what: str) -> Hardware:
                                  "calibrated_by": [*hw.calibrated_by, f"{what}: {cal.describe()}"]})
 
 
-def from_gpu_benchmark(hw: Hardware, results: str | Path, backend: str = "flash", argument: str = "results") -> Hardware:
+def from_gpu_benchmark(hw: Hardware, results: str | Path, backend: str = "flash",
+                       argument: str = "results") -> Hardware:
     """``hw`` with its attention efficiency from ``python -m benchmarks.gpu`` results (its kernel sweep: the
     TFLOP/s of ``backend`` at the longest length measured). Results without such a row are an error naming
     ``argument``: a profile silently left uncalibrated would pass for a calibrated one."""
@@ -185,7 +186,8 @@ def from_gpu_benchmark(hw: Hardware, results: str | Path, backend: str = "flash"
     rows = [r for r in rows if isinstance(r.get("seq_len"), int) and isinstance(r.get("tflops"), (int, float))
             and r["tflops"] > 0]
     if not rows:
-        raise ValidationError([Problem(argument, f"{results} has no {backend} row (seq_len, tflops) in its sweep", fix)])
+        raise ValidationError([Problem(argument, f"{results} has no {backend} row (seq_len, tflops) in its sweep",
+                                       fix)])
     top = max(rows, key=lambda r: r["seq_len"])
     share = top["tflops"] / (hw.flops("bfloat16") / 1e12)
     return hw.model_copy(update={

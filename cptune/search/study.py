@@ -28,7 +28,8 @@ from .space import pytorch_default
 DEFAULT_STORAGE = "sqlite:///cptune.db"
 
 
-def get_storage(storage: None | str | optuna.storages.BaseStorage, must_exist: bool = False) -> optuna.storages.BaseStorage:
+def get_storage(storage: None | str | optuna.storages.BaseStorage,
+                must_exist: bool = False) -> optuna.storages.BaseStorage:
     """None: a local SQLite file; a URL (sqlite, postgresql, ...); or an Optuna storage object. ``must_exist``
     (a reader): a SQLite file that is not there is an error, not a new empty database."""
     if storage is None:
