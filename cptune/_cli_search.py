@@ -10,7 +10,7 @@ import sys
 import click
 
 from ._console import progress, report_search
-from ._cli_types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, ExistingFile,
+from ._cli_types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, CheckedPath,
                          InputFile, Number, OneOf, OutputFile, Whole, in_flags)
 from .errors import CPTuneError
 
@@ -84,7 +84,8 @@ def _leave(code: int) -> None:
               help="Timing scale: screening and each race round time a config for a quarter of this "
                    "(and of the 20-step cap; 1 step at least).")
 @click.option("--out", type=OutputFile(), default=None, help="Write the best config's recipe here.")
-@click.option("--script", type=ExistingFile("give the training script's path"), default=None,
+@click.option("--script", type=CheckedPath("give the training script's path", exists=True, dir_okay=False),
+              default=None,
               help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model,
@@ -102,7 +103,7 @@ def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, la
     from .search import Workload
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    lengths = seq_lens if isinstance(seq_lens, list) else LENGTHS.read(seq_lens)
+    lengths = seq_lens  # a list: click reads the default through LENGTHS too
     fields = dict(seq_len=lengths[0], batch=batch, dtype=dtype, causal=causal, compile=compile_, ac=ac, step=step,
                   documents=documents, window=window)
     ctx = click.get_current_context()

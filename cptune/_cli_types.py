@@ -23,8 +23,6 @@ class _Fixed:
         try:
             return super().convert(value, param, ctx)  # type: ignore[misc]
         except click.BadParameter as exc:
-            if "Fix:" in exc.message:  # said already (a subclass's own check)
-                raise
             self.fail(f"{exc.message.rstrip('.')}. Fix: {self.fix}", param, ctx)  # type: ignore[attr-defined]
 
 
@@ -55,17 +53,23 @@ class Size(_Checked):
         return value
 
 
+def _positive_integers(value: str) -> list[int] | None:
+    """'8192' or '8192, 16384' as positive integers (digits only), or None."""
+    parts = [x.strip() for x in value.split(",")]
+    return [int(x) for x in parts] if all(re.fullmatch(r"[0-9]+", x) and int(x) > 0 for x in parts) else None
+
+
 class Lengths(_Checked):
     """One or more positive integers, comma-separated: 8192 or 8192,16384,32768."""
 
     name = "lengths"
 
     def read(self, value: str) -> list[int]:
-        parts = [x.strip() for x in value.split(",")]
-        if not value.strip() or not all(re.fullmatch(r"[0-9]+", x) and int(x) > 0 for x in parts):
+        lengths = _positive_integers(value)
+        if lengths is None:
             raise ValidationError([Problem("lengths", f"cannot read {value!r} as positive lengths",
                                            "give a length like 8192, or several like 8192,16384,32768")])
-        return [int(x) for x in parts]
+        return lengths
 
 
 class Dims(_Checked):
@@ -74,12 +78,12 @@ class Dims(_Checked):
     name = "dims"
 
     def read(self, value: str) -> tuple[int, ...]:
-        parts = [x.strip() for x in value.split(",")]
-        if len(parts) != 6 or not all(re.fullmatch(r"[0-9]+", x) and int(x) > 0 for x in parts):
+        dims = _positive_integers(value)
+        if dims is None or len(dims) != 6:
             raise ValidationError([Problem("dims", f"cannot read {value!r} as six positive integers",
                                            "give layers, hidden, heads, kv heads, ffn, vocab, e.g. "
                                            "32,4096,32,8,14336,128256")])
-        return tuple(int(x) for x in parts)
+        return tuple(dims)
 
 
 class KeyValue(_Checked):
@@ -166,29 +170,21 @@ class Name(_Checked):
         return value
 
 
-class InputFile(_Fixed, click.Path):
+class CheckedPath(_Fixed, click.Path):
+    """click's Path (its options as ``path_options``), its refusals followed by ``fix``."""
+
+    def __init__(self, fix: str, **path_options: Any) -> None:
+        super().__init__(**path_options)
+        self.fix = fix
+
+
+class InputFile(CheckedPath):
     """A file (or, with ``dir_okay``, a folder) that must exist and whose contents the command reads as data (a
     recipe, a config.json, a benchmark's JSON): contents that do not read are the library's named errors."""
 
     def __init__(self, dir_okay: bool = False, fix: str = "") -> None:
-        super().__init__(exists=True, dir_okay=dir_okay)
-        self.fix = fix or f"give the path of an existing file{' or folder' if dir_okay else ''}"
-
-
-class ExistingFile(_Fixed, click.Path):
-    """A file that must exist, read by something else (a training script the recipe launches)."""
-
-    def __init__(self, fix: str) -> None:
-        super().__init__(exists=True, dir_okay=False)
-        self.fix = fix
-
-
-class Folder(_Fixed, click.Path):
-    """A folder (it need not exist yet where the command makes it)."""
-
-    def __init__(self, fix: str = "give a folder, not a file") -> None:
-        super().__init__(file_okay=False)
-        self.fix = fix
+        super().__init__(fix or f"give the path of an existing file{' or folder' if dir_okay else ''}", exists=True,
+                         dir_okay=dir_okay)
 
 
 class OneOf(_Fixed, click.Choice):
@@ -199,14 +195,12 @@ class OneOf(_Fixed, click.Choice):
         self.fix = f"use one of: {', '.join(choices)}"
 
 
-class OutputFile(_Fixed, click.Path):
+class OutputFile(CheckedPath):
     """A file the command writes at its end (a recipe, a profile): checked first, so that a long search is not
     lost to a path that cannot be written (a folder, or a folder that is a file)."""
 
-    fix = "give a file's path, not a folder's"
-
     def __init__(self) -> None:
-        super().__init__(dir_okay=False)
+        super().__init__("give a file's path, not a folder's", dir_okay=False)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         value = super().convert(value, param, ctx)
@@ -223,6 +217,10 @@ class OutputFile(_Fixed, click.Path):
 RECIPE = InputFile(fix="check the path; cptune ls lists the shipped and local recipes")
 SIZE, LENGTHS, DIMS, KEY_VALUE, REFERENCE = Size(), Lengths(), Dims(), KeyValue(), Reference()
 DOCUMENTS, STORAGE, ENDPOINT, NAME, HARDWARE = Documents(), Storage(), Endpoint(), Name(), HardwareProfile()
+FOLDER = CheckedPath("give a folder, not a file", file_okay=False)
+"""A folder (it need not exist yet where the command makes it)."""
+
+
 class Whole(_Fixed, click.IntRange):
     """A whole number of at least ``low``."""
 
@@ -263,6 +261,7 @@ def in_flags(exc: CPTuneError, command: click.Command | None) -> CPTuneError:
     (``--memory-budget``): the library speaks Python, the CLI speaks flags."""
     if not isinstance(exc, ValidationError) or command is None:
         return exc
+
     def said(p: click.Parameter) -> str:  # an option by its flag, an argument as the usage line shows it
         return max(p.opts, key=len) if isinstance(p, click.Option) else p.human_readable_name
 

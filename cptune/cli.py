@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from ._cli_types import COUNT, ENDPOINT, NAME, RECIPE, STORAGE, Folder, Whole, in_flags
+from ._cli_types import COUNT, ENDPOINT, FOLDER, NAME, RECIPE, STORAGE, Whole, in_flags
 from .errors import CPTuneError, Problem, ValidationError
 from ._console import print_result
 from .sizes import format_size
@@ -50,7 +50,7 @@ def main() -> None:
 @main.command()
 @click.argument("study_name", metavar="STUDY", type=NAME)
 @click.option("--storage", type=STORAGE, default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
-@click.option("--out", type=Folder(), default=None, help="Write report.png here.")
+@click.option("--out", type=FOLDER, default=None, help="Write report.png here.")
 @click.option("--json", "as_json", is_flag=True)
 def report(study_name, storage, out, as_json) -> None:
     """Print STUDY's ranked table; with --out, a PNG of tokens/s (with spread) and peak memory vs the budget."""
@@ -200,7 +200,7 @@ def check(recipe_path, world_size, as_json) -> None:
 
 
 @main.command()
-@click.argument("folder", type=Folder(), default="recipes")
+@click.argument("folder", type=FOLDER, default="recipes")
 @click.option("--check", "check_only", is_flag=True, help="Exit 1 if FOLDER/README.md is not up to date.")
 @click.option("--force", is_flag=True, help="Replace a README.md that cptune index did not write.")
 def index(folder, check_only, force) -> None:
@@ -217,7 +217,7 @@ def index(folder, check_only, force) -> None:
 
 
 @main.command(name="ls")
-@click.argument("folders", nargs=-1, type=Folder())
+@click.argument("folders", nargs=-1, type=FOLDER)
 @click.option("--json", "as_json", is_flag=True)
 def list_recipes(folders, as_json) -> None:
     """List the shipped recipes and those in FOLDERS (default: ./recipes and ./runs), with their figures."""

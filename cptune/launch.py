@@ -94,10 +94,9 @@ def close_rank() -> None:
 
     from ._session import release_groups
 
-    release_groups()  # first: these hold references to the groups
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    release_groups()  # and collect what the destroy let go, now
+    release_groups()  # cptune's references dropped, then collected: the groups are freed now
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,

@@ -50,7 +50,6 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (d / "folder").mkdir()
     out["folder"] = str(d / "folder")
     out["missing"] = str(d / "no-such-file.json")
-    (d / "model-no-weights").mkdir()
     (d / "model-unknown-type").mkdir()
     (d / "model-unknown-type" / "config.json").write_text(json.dumps({**json.loads((MODEL / "config.json").read_text()),
                                                                     "model_type": "no-such-model-type"}))
@@ -179,6 +178,17 @@ def tripwire(monkeypatch):
     monkeypatch.setattr(subprocess, "call", started)
 
 
+@pytest.fixture
+def workdir(tmp_path) -> Path:
+    """The folder each call runs in, laid out as a clone: its recipes and the examples their scripts name."""
+    where = tmp_path / "cwd"
+    where.mkdir()
+    (where / "recipes").mkdir()
+    shutil.copy(RECIPE, where / "recipes")
+    (where / "examples").symlink_to(ROOT / "examples")
+    return where
+
+
 def _call(args: list[str], where: Path):
     before = sorted(p.name for p in where.iterdir())
     old = os.getcwd()
@@ -216,17 +226,12 @@ def _verdict(result, written, names: list[str]) -> str | None:
     return None
 
 
-def test_every_option_of_every_command_refuses_bad_values_by_name(inputs, tripwire, tmp_path, capsys):
-    where = tmp_path / "cwd"
-    where.mkdir()
-    (where / "recipes").mkdir()
-    shutil.copy(RECIPE, where / "recipes")
-    (where / "examples").symlink_to(ROOT / "examples")  # the recipe's script, as in a clone
+def test_every_option_of_every_command_refuses_bad_values_by_name(inputs, tripwire, workdir, capsys):
     failures, count, options = [], 0, set()
     for path, cmd, param, value, args in _walk_cases(inputs):
         count += 1
         options.add((path, param.name))
-        result, written = _call(args, where)
+        result, written = _call(args, workdir)
         why = _verdict(result, written, _names(param))
         if why:
             failures.append(f"cptune {' '.join(args)}\n    -> {why}")
@@ -241,22 +246,17 @@ def test_documented_conflicts_are_refused_by_name(args, flag, tripwire, tmp_path
     assert _verdict(result, written, [flag]) is None, result.output
 
 
-def test_the_walk_covers_every_option_and_tries_each_base_call_cleanly(inputs, tripwire, tmp_path):
+def test_the_walk_covers_every_option_and_tries_each_base_call_cleanly(inputs, tripwire, workdir):
     """Every option has bad values (or is a flag), and each base call gets past its checks: the refusals above
     are the bad value's, not the base's."""
     assert len(list(_commands(main))) >= 10
     for path, cmd in _commands(main):
         for param in cmd.params:
             bad_values(param, inputs)  # fails on an option of a kind the walk does not know
-    where = tmp_path / "cwd"
-    where.mkdir()
-    (where / "recipes").mkdir()
-    shutil.copy(RECIPE, where / "recipes")
-    (where / "examples").symlink_to(ROOT / "examples")
     for path, args in base_calls(inputs).items():
         if path == ("report",):
             continue  # no study to report on here
-        result, _ = _call([*path, *args], where)
+        result, _ = _call([*path, *args], workdir)
         assert isinstance(result.exception, Started) or result.exit_code == 0, (path, result.output)
 
 

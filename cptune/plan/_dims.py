@@ -3,13 +3,13 @@ uses, else the JSON read directly), from dims given by hand, or from a search's 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
 
+from .._files import read_json_object
 from ..config import StrictModel
 from ..errors import Problem, ProblemError, ValidationError
 from ..workload import Workload
@@ -105,7 +105,8 @@ def dims_from_config(path: str | Path, overrides: Mapping[str, Any] | None = Non
     try:
         import transformers  # noqa: F401
     except ImportError:
-        data = {**json.loads(found.read_text()), **(overrides or {})}
+        data = {**read_json_object(found, argument, "give a model's config.json as save_pretrained writes it"),
+                **(overrides or {})}
     else:
         data = models.load_config(found, overrides, argument).to_dict()
     try:
