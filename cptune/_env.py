@@ -24,6 +24,27 @@ def total_device_memory(device_type: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+MMAP_THRESHOLD = 2**20
+"""Allocations from this size on are mapped on their own and unmapped when freed (glibc's mallopt)."""
+
+
+def return_freed_memory() -> None:
+    """On a CPU rank (glibc): allocations of a MiB and more get pages of their own, given back when freed.
+
+    glibc otherwise raises its mmap threshold as big blocks are freed (up to 32 MiB), after which a layer's
+    gathered parameters and gradients come from the heap, and what is freed there stays in the process
+    (fragmented, not trimmed): the resident size, which is how a CPU rank's peak is measured, grows to
+    hundreds of MiB above what the rank holds. Set once per process, by every search rank and training
+    process cptune starts (:func:`cptune.launch.init_rank`), so the search measures the memory the
+    training job will take."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (fixed: no dynamic raise)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
 def device_name(device_type: str) -> str:
     """The GPU's name, or the CPU model: what figures were measured on."""
     if device_type == "cuda" and torch.cuda.is_available():

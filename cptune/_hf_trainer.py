@@ -25,6 +25,7 @@ The config comes from ``config=`` / ``recipe=``, else ``$CPTUNE_RECIPE``, else c
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -52,6 +53,21 @@ def _targets(batch: dict[str, Any]) -> torch.Tensor:
     return shift_labels(batch["labels"] if batch.get("labels") is not None else batch["input_ids"])
 
 
+def _adopt_sharded(model: Any) -> None:
+    """A model FSDP2 sharded as cptune built it (``cptune.models.build_model(..., fsdp_mesh=...)``) goes through the
+    Trainer's path for models sharded at load time: no DDP around it, not sharded again, its gradients reduced
+    by FSDP2 (deferred to the last micro-batch of an accumulation), the optimizer made over the shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return
+    raise_if([] if hasattr(transformers.PreTrainedModel, "is_distributed_loading_by_transformers") else [
+        Problem("model", f"is sharded by FSDP2, which the Trainer of transformers {transformers.__version__} "
+                "would wrap in DDP", "pip install -U transformers (verified: 5.24), or build the model whole "
+                "(cptune.models.build_model without fsdp_mesh)")])
+    model._is_distributed_loading_by_transformers = True
+
+
 class Trainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose training steps run under context parallelism (see the module)."""
 
@@ -59,11 +75,21 @@ class Trainer(transformers.Trainer):
                  **kwargs: Any) -> None:
         """``shuffle``: whether each epoch's order is shuffled (the same on a replica's CP ranks); None: unless
         ``args.train_sampling_strategy`` is "sequential"."""
+        _adopt_sharded(kwargs.get("model", args[0] if args else None))
         super().__init__(*args, **kwargs)
         self.cp_config, self.cp_recipe, self.cp_shuffle = config, recipe, shuffle
         self.dp, self.cp, self.replica = replica(config=config, recipe=recipe)
         self.cp_steps = 0  # micro-batches run sharded over more than one CP rank
         enable(self.model)
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """A micro-batch before the last of an accumulation: FSDP2 keeps its gradients to reduce with the last."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     def get_train_dataloader(self) -> DataLoader:
         """This replica's batches: the same on each of its CP ranks, other rows on other replicas."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from ._env import return_freed_memory
 from .errors import CPTuneError
 
 
@@ -78,6 +79,7 @@ def init_rank() -> tuple[Any, int, int]:
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(1)
+            return_freed_memory()  # as the search's ranks do: their measured peak is this process's
         if "RANK" in os.environ:
             dist.init_process_group("nccl" if cuda else "gloo")
     return (device, dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (device, 1, 0)
@@ -113,6 +115,8 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_tim
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:
+        return_freed_memory()
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout))
     results.put((rank, -1, "ready", None))
     try:

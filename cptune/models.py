@@ -1,18 +1,23 @@
-"""transformers models from their config, trained as transformers trains them: one loader for
-``cptune search --model`` and ``examples/train_hf.py``.
+"""transformers models from their config, built sharded and trained as transformers trains them: one loader for
+``cptune search --model``, ``examples/train_hf.py`` and ``cptune.hf.Trainer``.
 
 ::
 
     config = cptune.models.load_config("path/to/model", {"num_hidden_layers": 4})  # dir or config.json
-    model = cptune.models.build_model(config, device)            # random weights; weights="path" loads them
-    cptune.models.prepare_for_training(model, ac="selective", compile=False, fsdp_mesh=mesh)
+    model = cptune.models.build_model(config, device, fsdp_mesh=mesh, ac="selective")  # random weights, sharded
+    model = cptune.models.build_model(config, device, weights="path/to/model", fsdp_mesh=mesh)  # its safetensors
+    cptune.models.export_model(model, "out/")   # a folder from_pretrained loads (every rank calls it)
 
-Nothing is downloaded: a model is a local directory (or its ``config.json``). Training as
+Nothing is downloaded: a model is a local directory (or its ``config.json``). The model is made
+on the meta device and materialized one unit at a time (each decoder layer, then the root), each
+sharded by FSDP2 before the next is made, so no rank ever holds the whole model; weights come
+from the model's own initialization, seeded per unit (the same at any world size), or from a
+safetensors checkpoint read into each rank's shards (:mod:`cptune._weights`). Training as
 transformers does means ``model.train()``, ``use_cache=False``, :func:`cptune.hf.enable`,
-activation checkpointing through transformers' own switch (``selective`` keeps matmuls
-and the CP attention's output, recomputing the rest), ``torch.compile`` per decoder layer, and
-FSDP2 per decoder layer then the root (torchtitan's order). transformers is optional; without it
-these functions say which extra to install.
+activation checkpointing through transformers' own switch (``selective`` keeps matmuls and the
+CP attention's output, recomputing the rest), ``torch.compile`` per decoder layer, and FSDP2 per
+decoder layer then the root (torchtitan's order). transformers is optional; without it these
+functions say which extra to install.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from . import _weights
 from ._attention import RING_ATTENTION_OPS
 from ._hf import enable
 from ._ulysses import ULYSSES_OPS
@@ -142,18 +148,58 @@ def model_workload(model: str | Path, overrides: Mapping[str, Any] | None = None
     return Workload(model=str(model), model_overrides=dict(overrides) if overrides else None, **shape, **fields)
 
 
-def build_model(config, device: torch.device | str, weights: str | Path | None = None) -> nn.Module:
-    """A float32 causal LM from ``config`` with random weights (seed them with torch.manual_seed first: every
-    rank must build the same), or from the local ``weights`` directory; SDPA attention outside CP blocks.
-    Built whole, then sharded by FSDP2 (not on the meta device: that needs the model's own weight init after
-    ``to_empty``, the same on every rank), so a rank must hold the whole model once."""
-    transformers = _transformers("--model")
+def build_model(config, device: torch.device | str, weights: str | Path | None = None, *, seed: int = 0,
+                fsdp_mesh: Any = None, ac: str | None = None, compile: bool = False,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A float32 causal LM from ``config``, SDPA attention outside CP blocks, never whole on a rank when sharded.
+
+    Built on the meta device, then materialized one unit at a time (each decoder layer, then the rest):
+    ``to_empty`` on ``device``, the model's own initialization seeded by (``seed``, unit), and, with
+    ``fsdp_mesh``, FSDP2 sharding of that unit before the next is made (torchtitan's order: layers, then the
+    root). A rank's build peak is its shards plus one unit; the weights are the same on every rank, from run
+    to run and at any world size (one process builds what the sharded ranks hold). ``weights``: a local
+    safetensors folder (``save_pretrained``'s), checked against the config before any tensor is read, then
+    read into each rank's shards (bf16/fp16 files into float32). ``ac`` (none, full, selective) prepares the
+    model for training first, as :func:`prepare_for_training` does; ``dtype``: its compute dtype."""
+    transformers = _transformers("model")
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                              dtype=torch.float32)
     if weights is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(weights, config=config, dtype=torch.float32,
-                                                                  attn_implementation="sdpa", local_files_only=True)
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return model.to(device=device, dtype=torch.float32)
+        tensors = _weights.stored_tensors(weights)
+        raise_if(_weights.weight_problems(model, tensors))
+    if ac is not None:
+        _prepare(model, ac, compile)
+    layers, shard = decoder_layers(model), _sharder(fsdp_mesh, dtype)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    rest = [m for m in model.modules() if id(m) not in inside]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for i, layer in enumerate(layers):
+            _materialize(model, list(layer.modules()), device, seed, i + 1)
+            if shard is not None:
+                shard(layer)
+        _materialize(model, rest, device, seed, 0)
+    if shard is not None:
+        shard(model)
+    if weights is not None:
+        _weights.load_weights(model, weights, tensors)
+    if fsdp_mesh is None and dtype != torch.float32:
+        model.to(dtype)
+    return model
+
+
+@torch.no_grad()
+def _materialize(model: nn.Module, modules: list[nn.Module], device: torch.device, seed: int, unit: int) -> None:
+    """``modules``' own parameters and buffers on ``device``, initialized by the model's ``_init_weights`` from
+    a generator state that depends on (seed, unit) only; tied weights tied again."""
+    for m in modules:
+        m.to_empty(device=device, recurse=False)
+    if unit == 0 and hasattr(model, "tie_weights"):  # the root's: lm_head shares the embedding when tied
+        model.tie_weights()
+    torch.manual_seed(seed * 1_000_003 + unit)
+    for m in modules:
+        model._init_weights(m)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -187,10 +233,33 @@ def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
 
 def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = False, fsdp_mesh: Any = None,
                          dtype: torch.dtype = torch.float32) -> nn.Module:
-    """cptune.hf.enable, train mode, no KV cache, then activation checkpointing, torch.compile per decoder
-    layer and FSDP2 (per decoder layer, then the root) over ``fsdp_mesh`` when given. A ``dtype`` below
-    float32 is the compute dtype: FSDP2 keeps float32 parameters and reduces gradients in float32 (without
-    FSDP the model is cast). Returns the model."""
+    """For a model built elsewhere (:func:`build_model` does this itself with ``ac=``): cptune.hf.enable, train
+    mode, no KV cache, then activation checkpointing, torch.compile per decoder layer and FSDP2 (per decoder
+    layer, then the root) over ``fsdp_mesh`` when given. A ``dtype`` below float32 is the compute dtype: FSDP2
+    keeps float32 parameters and reduces gradients in float32 (without FSDP the model is cast). Returns the
+    model."""
+    _prepare(model, ac, compile)
+    shard = _sharder(fsdp_mesh, dtype)
+    if shard is None:
+        return model.to(dtype)
+    for unit in (*decoder_layers(model), model):
+        shard(unit)
+    return model
+
+
+def _sharder(mesh: Any, dtype: torch.dtype):
+    """FSDP2 of one unit over ``mesh``: float32 parameters and gradient reduction, ``dtype`` compute; None
+    without a mesh."""
+    if mesh is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    return functools.partial(fully_shard, mesh=mesh,
+                             mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+
+
+def _prepare(model: nn.Module, ac: str, compile: bool) -> None:
+    """cptune.hf.enable, train mode, no KV cache, activation checkpointing, compile per decoder layer."""
     if ac not in ("none", "full", "selective"):
         raise ValidationError([Problem("ac", f"{ac!r} is not none, full or selective", "use one of them")])
     raise_if(training_problems(ac, compile))
@@ -205,20 +274,13 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    layers = decoder_layers(model)
     if compile:
-        for layer in layers:
+        for layer in decoder_layers(model):
             layer.compile()
-    if fsdp_mesh is None:
-        return model.to(dtype)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy)
-    return model
 
 
-__all__ = ["attention_shape", "build_model", "config_path", "decoder_layers", "load_config", "model_workload",
-           "parse_overrides", "prepare_for_training"]
+check_export = _weights.check_export
+export_model = _weights.export_model
+
+__all__ = ["attention_shape", "build_model", "check_export", "config_path", "decoder_layers", "export_model",
+           "load_config", "model_workload", "parse_overrides", "prepare_for_training"]

@@ -6,10 +6,14 @@
 
 A recipe from ``cptune search --model PATH`` carries the model (path and overrides), sequence
 length, batch per replica, packed documents, activation checkpointing and compile; flags here
-override them. The model is built from its ``config.json`` with random weights (``--weights``:
-loaded from the model directory with ``from_pretrained``; nothing is downloaded), prepared as
-``cptune.models.prepare_for_training`` does (cptune.hf.enable, AC, compile per decoder layer,
-FSDP2 over every rank when launched on several), and trained with AdamW and a linear LR warm-up.
+override them. The model is built from its ``config.json`` on the meta device and made one
+FSDP2-sharded decoder layer at a time (``cptune.models.build_model``: no rank ever holds the
+whole model) with random weights, or with ``--weights`` the model directory's safetensors
+(``save_pretrained``'s, bf16/fp16 into float32) read straight into each rank's shards; nothing is
+downloaded. cptune.hf.enable, AC and compile per decoder layer are applied; trained with AdamW
+and a linear LR warm-up. ``--export DIR`` writes the trained model as a Hugging Face folder
+(safetensors + config.json, through a temporary folder renamed once whole) that
+``AutoModelForCausalLM.from_pretrained`` loads.
 
 Data (``--data``), already tokenized:
   * ``.jsonl``: one document per line, ``{"input_ids": [1, 2, ...]}``;
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -155,6 +160,11 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="Save every N steps (0: at the end only)")
     parser.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint")
     parser.add_argument("--losses-out", default=None, help="Write the per-step losses here (JSON)")
+    parser.add_argument("--export", default=None, metavar="DIR",
+                        help="After training, write the model as a Hugging Face folder (safetensors + config.json) "
+                             "that from_pretrained loads; DIR must not exist")
+    parser.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="dtype of the exported weights (default: float32, the master weights)")
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
@@ -177,14 +187,16 @@ def main() -> None:
     spec = args.documents or w.documents
 
     hf_config = models.load_config(path, overrides)
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = models.build_model(hf_config, device, weights=path if args.weights else None)
+    export = models.check_export(args.export, "--export") if args.export else None  # refused before any training
     fsdp_mesh = None
     if distributed and args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
 
         fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
-    models.prepare_for_training(model, ac=ac, compile=compile_, fsdp_mesh=fsdp_mesh)
+    # on the meta device, then one sharded layer at a time: no rank holds the whole model; the same weights at
+    # any world size (seeded per layer), or the --model folder's safetensors read into each rank's shards
+    model = models.build_model(hf_config, device, weights=path if args.weights else None, fsdp_mesh=fsdp_mesh,
+                               ac=ac, compile=compile_)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
@@ -228,12 +240,20 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.6f} tokens/s {batch * seq_len / seconds:,.0f}", flush=True)
         if folder and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
             save(folder, step + 1, model, optimizer, scheduler, rank)
+    peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]  # this rank's peak RSS (Linux: KiB)
+    if distributed:
+        peaks = [None] * world
+        dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
         print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, batch {batch}, config: {config.label()}, "
               f"ac={ac} compile={compile_} fsdp={fsdp_mesh is not None} documents={spec or args.data or 'none'}")
         if args.losses_out:
             with open(args.losses_out, "w") as f:
-                json.dump({"losses": losses, "start": start, "world": world, "dp": dp, "cp": cp}, f)
+                json.dump({"losses": losses, "start": start, "world": world, "dp": dp, "cp": cp, "peaks": peaks}, f)
+    if export is not None:
+        models.export_model(model, export, dtype=getattr(torch, args.export_dtype))
+        if rank == 0:
+            print(f"exported to {export}", flush=True)
     if distributed:
         cptune.launch.close_rank()  # meshes, groups, then the process group: before the interpreter ends
 

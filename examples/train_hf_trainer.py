@@ -10,7 +10,11 @@ transformers packs them, ``DataCollatorWithFlattening`` (one row per batch, posi
 at each document, no attention mask, no padding); ``--unpacked`` uses fixed-length rows instead.
 Each data-parallel replica reads ``--per-device-batch`` documents (or rows) per micro-batch; with
 ``--plain`` one process reads all replicas' at once, so the global batch is the same and the
-losses and parameters after the steps agree (``--out`` writes both).
+losses and parameters after the steps agree (``--out`` writes both, and each rank's peak RSS).
+Under torchrun the model is built sharded by FSDP2 (``cptune.models.build_model(...,
+fsdp_mesh=...)``: no rank holds it whole) and the Trainer trains the shards as they are;
+``--no-fsdp`` builds it whole on every rank and trains it with DDP. ``cptune.models.export_model``
+writes the trained model as a folder ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 
 import torch
 
 import cptune
 import cptune.hf
+import cptune.launch
 from cptune import models
 
 
@@ -69,6 +75,9 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--output-dir", default="trainer-out")
+    parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
+                        help="Under torchrun: the model built sharded by FSDP2 (cptune.models.build_model), trained "
+                             "through the Trainer's fsdp arguments (else whole on every rank, DDP)")
     parser.add_argument("--out", default=None, help="Write the losses and final parameters here (torch.save)")
     args = parser.parse_args()
 
@@ -84,8 +93,13 @@ def main() -> None:
         raise SystemExit("give --model PATH, or a recipe from cptune search --model")
     overrides = models.parse_overrides(args.model_override) or (recipe.workload.model_overrides if recipe else None)
     config = models.load_config(path, overrides)
-    torch.manual_seed(0)
-    model = models.build_model(config, "cpu")
+    fsdp_mesh, device = None, "cpu"
+    if "RANK" in os.environ and args.fsdp:  # sharded as it is built: no rank holds the whole model
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device, world, _ = cptune.launch.init_rank()
+        fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
+    model = models.build_model(config, device if fsdp_mesh is not None else "cpu", fsdp_mesh=fsdp_mesh)
     dataset = Documents(64, config.get_text_config().vocab_size, args.unpacked)
     collator = transformers.default_data_collator if args.unpacked else transformers.DataCollatorWithFlattening()
     training = transformers.TrainingArguments(
@@ -99,12 +113,19 @@ def main() -> None:
     trainer = Sequential(**kwargs) if args.plain else cptune.hf.Trainer(**kwargs, recipe=recipe, shuffle=False)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    # whole tensors (gathered from the shards: every rank takes part)
+    params = {k: getattr(v, "full_tensor", v.detach)().detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
+    peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]  # this rank's peak RSS (Linux: KiB)
+    if torch.distributed.is_initialized():
+        peaks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if trainer.is_world_process_zero():
         print("losses", " ".join(f"{x:.6f}" for x in losses))
+        print("peak per rank", " ".join(f"{b / 2**20:.0f}MiB" for b in peaks), "sharded" if fsdp_mesh else "whole")
         if args.out:
-            params = {k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()}
             torch.save({"losses": losses, "params": params, "dp": getattr(trainer, "dp", 1),
-                        "cp": getattr(trainer, "cp", 1), "cp_steps": getattr(trainer, "cp_steps", 0)}, args.out)
+                        "cp": getattr(trainer, "cp", 1), "cp_steps": getattr(trainer, "cp_steps", 0), "peaks": peaks,
+                        "sharded": fsdp_mesh is not None}, args.out)
             print(json.dumps({"written": args.out}))
 
 

@@ -108,8 +108,11 @@ TRAINER = str(ROOT / "examples/train_hf_trainer.py")
 @pytest.mark.parametrize("nproc,mesh,extra", [
     (2, (1, 2), ["--grad-accum", "2"]),                       # packed (DataCollatorWithFlattening), accumulation
     (4, (2, 2), ["--unpacked", "64", "--per-device-batch", "2"]),  # fixed-length rows, two replicas
+    (2, (1, 2), ["--grad-accum", "2", "--no-fsdp"]),          # the model whole on every rank, DDP
 ])
 def test_hf_trainer_under_cp_equals_a_one_process_trainer(tmp_path, nproc, mesh, extra):
+    """Built sharded by FSDP2 under torchrun (no rank holds the whole model) and trained as sharded, or whole
+    with DDP (--no-fsdp): the losses and final parameters are a one-process transformers.Trainer's."""
     pytest.importorskip("accelerate")
     import torch
 
@@ -121,7 +124,10 @@ def test_hf_trainer_under_cp_equals_a_one_process_trainer(tmp_path, nproc, mesh,
     steps = 3 * (2 if "--grad-accum" in extra else 1)
     assert (cp["dp"], cp["cp"], cp["cp_steps"]) == (*mesh, steps) and len(one["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(cp["losses"], one["losses"])) <= 1e-5, (cp["losses"], one["losses"])
-    assert max((one["params"][k] - cp["params"][k]).abs().max().item() for k in one["params"]) <= 1e-5
+    # parameters after 3 AdamW steps (lr 1e-3): Adam divides by sqrt(v), so where a gradient is near zero a
+    # rounding difference moves the update by a share of lr: 1.6e-5 measured at dp 2 x cp 2, DDP and FSDP2 alike
+    assert max((one["params"][k] - cp["params"][k]).abs().max().item() for k in one["params"]) <= 5e-5
+    assert cp["sharded"] == ("--no-fsdp" not in extra) and len(cp["peaks"]) == nproc
 
 
 def test_hf_trainer_refuses_a_padding_collator_by_name(tmp_path):

@@ -181,7 +181,8 @@ class _StudyRun:
                 trial.set_user_attr("plan_skipped", True)
                 trial.set_user_attr("plan_calibration", self.guide.calibration.describe())
                 return study.tell(trial, state=state.PRUNED)
-        predicted = predict_peak(workload, config, self.baseline) if workload.predictable else None
+        predicted = predict_peak(workload, config, self.baseline) if workload.predictable else \
+            planned.peak_bytes if workload.model is not None and planned is not None else None  # the plan's model
         trial.set_user_attr("predicted_bytes", predicted)
         trial.set_user_attr("memory_budget", s.budget)
         if predicted is not None and predicted > PRUNE_FACTOR * s.budget:

@@ -12,11 +12,13 @@ the budget. It is recorded as "skipped by plan: ..." with the figures; ``--exhau
 from __future__ import annotations
 
 from ..config import CPConfig
-from ..errors import CPTuneError, ValidationError
+from ..errors import CPTuneError, Problem, ValidationError
 from ..plan import Calibration, Point, Prediction, calibrate, dims_from_workload, for_device, predict
 from ..sizes import format_size
 from ..workload import Workload
+from .memory import PRUNE_FACTOR
 from .racing import INDIFFERENCE
+from .space import AC_MODES, all_configs, config_key
 
 MIN_TRIALS = 3
 """Measured trials before the plan may skip anything (its error is a leave-one-out error: 3 at least)."""
@@ -88,3 +90,27 @@ class Guide:
             return (f"{SKIPPED}: predicted peak {format_size(p.peak_bytes)}, calibrated error {mem_err:.0%}; at "
                     f"least {format_size(p.peak_bytes * (1 - mem_err))} > budget {format_size(self.budget)}")
         return None
+
+
+def unfit_problem(workload: Workload, device_type: str, device_name: str, world: int, nproc_per_node: int,
+                  budget: int) -> Problem | None:
+    """A model that no configuration of the space fits even sharded over ``world`` ranks, by the plan's memory
+    model (FSDP2 over all ranks: parameters, gradients, AdamW states, gathered layers, activations): every
+    prediction above PRUNE_FACTOR x ``budget``, the line beyond which a trial is not run. Said before any rank
+    builds the model."""
+    guide = Guide(workload, device_type, device_name, nproc_per_node, budget, 0)
+    if guide.dims is None or workload.model is None:
+        return None
+    modes = AC_MODES if workload.ac == "auto" else (None,)
+    predictions = [guide.raw(config_key(c, ac), c, ac) for c in all_configs(workload, world, device_type) for ac in modes]
+    best = min(predictions, key=lambda p: p.peak_bytes, default=None)
+    if best is None or best.peak_bytes <= PRUNE_FACTOR * budget:
+        return None
+    m = best.memory
+    states = m["parameters"] + m["gradients"] + m["optimizer"]
+    return Problem("memory_budget", f"{format_size(budget)} per rank cannot hold {workload.model} even sharded over "
+                   f"{world} ranks: the smallest predicted peak is {format_size(best.peak_bytes)} "
+                   f"({best.point.config.label()}, ac={best.point.ac}; parameters, gradients and AdamW states alone "
+                   f"{format_size(states)}), over {PRUNE_FACTOR} x the budget",
+                   "run on more ranks (--nproc, or more nodes), shrink the model (--model-override "
+                   "num_hidden_layers=N) or the sequence (--seq-len), or give a larger --memory-budget")

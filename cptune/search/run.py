@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Sequence
 
 import optuna
 import torch
 import torch.distributed as dist
 
+from .._env import environment
 from ..errors import Problem, ValidationError, raise_if
 from ..sizes import parse_size
 from ..workload import Workload
 from .driver import Progress, run_study
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator
+from .guide import unfit_problem
 from .interrupts import Interrupts, SearchInterrupted
 from .measure import measure_on_rank
 from .memory import default_budget
@@ -143,6 +146,14 @@ def search(
         _check_user_step(workload)
     if workload.model:  # the config reads and the overrides apply here, before any rank starts
         _check_model(workload)
+    if workload.model:  # a model no configuration fits even sharded: said before any rank builds it
+        device_type = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else device or "cpu"
+        world = dist.get_world_size() if dist.is_initialized() else nproc or (
+            torch.cuda.device_count() if device_type == "cuda" else 2)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if dist.is_initialized() else world
+        budget = parse_size(memory_budget) if memory_budget is not None else default_budget(device_type, per_node)
+        name = environment(device_type, world, per_node).device_name
+        raise_if([p for w in workloads if (p := unfit_problem(w, device_type, name, world, per_node, budget))][:1])
     if dist.is_initialized() and dist.get_rank() != 0:
         SPMDEvaluator(trial_timeout, measure).follow()  # serve rank 0's trials; torchrun stops this rank
         return None

@@ -94,15 +94,14 @@ def build_user_step(workload: Workload, device: torch.device):
 
 
 def build_model_step(workload: Workload, device: torch.device):
-    """A transformers model's training step, as it trains (see :mod:`cptune.models`): built from its config
-    with random weights (the same on every rank), FSDP2 over all ranks, and an AdamW step after backward, so
-    the peak holds parameters, gradients and optimizer state; synthetic tokens, packed as ``documents`` says."""
+    """A transformers model's training step, as it trains (see :mod:`cptune.models`): built on the meta device
+    and materialized one FSDP2-sharded unit at a time over all ranks (no rank holds the whole model), random
+    weights the same at any world size, and an AdamW step after backward, so the peak holds parameters,
+    gradients and optimizer state; synthetic tokens, packed as ``documents`` says."""
     config = models.load_config(workload.model, workload.model_overrides)
-    torch.manual_seed(0)
-    model = models.build_model(config, device)
     mesh = world_mesh(device.type) if dist.is_initialized() and dist.get_world_size() > 1 else None
-    models.prepare_for_training(model, ac=workload.ac, compile=workload.compile, fsdp_mesh=mesh,
-                                dtype=workload.torch_dtype)
+    model = models.build_model(config, device, fsdp_mesh=mesh, ac=workload.ac, compile=workload.compile,
+                               dtype=workload.torch_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, config.get_text_config().vocab_size, (workload.batch, workload.seq_len),
