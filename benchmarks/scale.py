@@ -101,9 +101,9 @@ def build_peaks(model: Path, ranks: int, whole: bool) -> list[dict]:
     return json.loads(line[len("FIGURES "):])
 
 
-def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: int = 2) -> dict:
+def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: int = 2, steps: int = 2) -> dict:
     """``cptune search --model`` under ``budget`` (``trials`` configurations), then ``cptune launch`` of its
-    recipe (2 steps)."""
+    recipe (``steps`` steps)."""
     cmd = [sys.executable, "-m", "cptune", "search", "--model", str(model), "--seq-len", "32", "--nproc", str(ranks),
            "--memory-budget", f"{budget // 2**20}MiB", "--n-trials", str(trials), "--min-seconds", "0", "--storage",
            f"sqlite:///{work}/scale.db", "--out", str(work / "scale.yaml")]
@@ -116,7 +116,7 @@ def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: i
 
     recipe = cptune.load_recipe(work / "scale.yaml")
     train = [sys.executable, "-m", "cptune", "launch", str(work / "scale.yaml"), "--", str(ROOT / "examples/train_hf.py"),
-             "--steps", "2", "--losses-out", str(work / "losses.json")]
+             "--steps", str(steps), "--losses-out", str(work / "losses.json")]
     t0 = time.perf_counter()
     trained = subprocess.run(train, cwd=work, capture_output=True, text=True, timeout=2400)
     train_s = time.perf_counter() - t0

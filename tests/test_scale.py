@@ -1,7 +1,8 @@
 """A model bigger than a rank (``benchmarks/scale.py``'s, run here as a test): on 4 CPU ranks its float32
 parameters, gradients and AdamW states are 3x one rank's budget; built sharded, each rank's build peak is within
 1.25 x its shard plus the largest unit; ``cptune search --model`` measures it within the budget and
-``examples/train_hf.py`` trains it from the recipe."""
+``examples/train_hf.py`` trains it from the recipe. (The first configuration the plan proposes, dp4·cp1, measures
+just over the budget with the 5 % margin: two trials.)"""
 
 import math
 
@@ -26,8 +27,8 @@ def test_a_model_three_times_a_ranks_budget_is_built_sharded_searched_and_traine
     for r in built:
         assert r["shard"] <= 4 * n["params"] / RANKS + 4 * 2**20  # FSDP2's padding: under a row a parameter
         assert r["rise"] <= scale.BOUND * (r["shard"] + largest), (r, largest)
-    found = scale.search_and_train(model, RANKS, budget, tmp_path, trials=1)
+    found = scale.search_and_train(model, RANKS, budget, tmp_path, trials=2, steps=1)
     assert len(found["search_peak_per_rank"]) == RANKS
     assert max(found["search_peak_per_rank"]) <= budget, found["search_table"]
-    assert len(found["losses"]) == 2 and all(math.isfinite(x) for x in found["losses"])
+    assert len(found["losses"]) == 1 and all(math.isfinite(x) for x in found["losses"])
     assert len(found["train_peak_per_rank"]) == RANKS

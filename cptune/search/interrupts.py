@@ -54,10 +54,10 @@ class Interrupts:
         self._old: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self.pending = signum  # held until it is seen leaving the window (below), or raised at the next safe point
         if self._immediate:
             self._immediate = False
-            raise SearchInterrupted(signum)
-        self.pending = signum
+            raise SearchInterrupted(signum)  # inside a finalizer (a weakref callback) Python drops it: still held
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
@@ -96,5 +96,8 @@ class Interrupts:
         self._immediate = True
         try:
             yield
+        except SearchInterrupted:
+            self.pending = None  # it got out: nothing is held
+            raise
         finally:
             self._immediate = False

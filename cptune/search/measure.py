@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 
@@ -31,7 +33,14 @@ def _release_free_memory() -> None:
     """Free what earlier trials left in reference cycles (a model under FSDP2 is one), then give freed heap back
     to the OS, so that VmHWM starts from what is really in use. Uncollected, the previous trial's model was freed
     during the next trial, which reused its pages: that trial's rise, so its peak, came out too low."""
-    gc.collect()
+    held = {signal.SIGINT, signal.SIGTERM}
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
+    try:  # signals wait: a search's stop raised inside a weakref callback the collection runs would be dropped
+        gc.collect()
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
