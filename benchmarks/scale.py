@@ -101,12 +101,14 @@ def build_peaks(model: Path, ranks: int, whole: bool) -> list[dict]:
     return json.loads(line[len("FIGURES "):])
 
 
-def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: int = 2, steps: int = 2) -> dict:
-    """``cptune search --model`` under ``budget`` (``trials`` configurations), then ``cptune launch`` of its
-    recipe (``steps`` steps)."""
+def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: int = 2, steps: int = 2,
+                     margin: float | None = None) -> dict:
+    """``cptune search --model`` under ``budget`` (``trials`` configurations; ``margin``: its --memory-margin,
+    default the search's), then ``cptune launch`` of its recipe (``steps`` steps)."""
     cmd = [sys.executable, "-m", "cptune", "search", "--model", str(model), "--seq-len", "32", "--nproc", str(ranks),
            "--memory-budget", f"{budget // 2**20}MiB", "--n-trials", str(trials), "--min-seconds", "0", "--storage",
-           f"sqlite:///{work}/scale.db", "--out", str(work / "scale.yaml")]
+           f"sqlite:///{work}/scale.db", "--out", str(work / "scale.yaml"),
+           *(["--memory-margin", str(margin)] if margin is not None else [])]
     t0 = time.perf_counter()
     found = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=2400)
     search_s = time.perf_counter() - t0
