@@ -98,8 +98,10 @@ def unfit_problem(workload: Workload, device_type: str, device_name: str, world:
     model (FSDP2 over all ranks: parameters, gradients, AdamW states, gathered layers, activations): every
     prediction above PRUNE_FACTOR x ``budget``, the line beyond which a trial is not run. Said before any rank
     builds the model."""
+    if workload.model is None:
+        return None
     guide = Guide(workload, device_type, device_name, nproc_per_node, budget, 0)
-    if guide.dims is None or workload.model is None:
+    if guide.dims is None:
         return None
     modes = AC_MODES if workload.ac == "auto" else (None,)
     predictions = [guide.raw(config_key(c, ac), c, ac) for c in all_configs(workload, world, device_type) for ac in modes]

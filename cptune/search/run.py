@@ -146,10 +146,11 @@ def search(
         _check_user_step(workload)
     if workload.model:  # the config reads and the overrides apply here, before any rank starts
         _check_model(workload)
+    if nproc is None and not dist.is_initialized():
+        nproc = torch.cuda.device_count() if device == "cuda" else 2
     if workload.model:  # a model no configuration fits even sharded: said before any rank builds it
         device_type = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else device or "cpu"
-        world = dist.get_world_size() if dist.is_initialized() else nproc or (
-            torch.cuda.device_count() if device_type == "cuda" else 2)
+        world = dist.get_world_size() if dist.is_initialized() else nproc
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if dist.is_initialized() else world
         budget = parse_size(memory_budget) if memory_budget is not None else default_budget(device_type, per_node)
         name = environment(device_type, world, per_node).device_name
@@ -157,8 +158,6 @@ def search(
     if dist.is_initialized() and dist.get_rank() != 0:
         SPMDEvaluator(trial_timeout, measure).follow()  # serve rank 0's trials; torchrun stops this rank
         return None
-    if nproc is None and not dist.is_initialized():
-        nproc = torch.cuda.device_count() if device == "cuda" else 2
     results: list[SearchResult] = []
     interrupts = Interrupts()  # the driver's window: starting the ranks, every length, closing them
     try:
