@@ -259,4 +259,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except cptune.CPTuneError as exc:  # what the user gave (a model, weights, an export folder): the named error
+        raise SystemExit(str(exc)) from None
