@@ -87,6 +87,7 @@ def build_rank(model: str, whole: bool) -> None:
     dist.all_gather_object(figures, {"rank": rank, "rise": rise, "shard": shard, "seconds": seconds})
     if rank == 0:
         print("FIGURES " + json.dumps(figures), flush=True)
+    del built, mesh  # close_rank frees the groups once nothing holds them
     cptune.launch.close_rank()
 
 

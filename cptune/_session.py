@@ -31,7 +31,8 @@ _ACTIVE: list[_Session] = []  # sessions inside a with-block / decorated call, i
 
 
 def release_groups() -> None:
-    """Forget every mesh and group cptune built, so that nothing of cptune's keeps a process group alive.
+    """Forget every mesh and group cptune built, so that nothing of cptune's keeps a process group alive,
+    and empty DTensor's sharding caches, which hold the meshes of every DTensor op an FSDP2 model ran.
 
     A gloo group's C++ object outlives :func:`torch.distributed.destroy_process_group` while anything still
     refers to it (these caches did), and is then freed during interpreter finalization: its worker thread,
@@ -40,6 +41,7 @@ def release_groups() -> None:
     the interpreter is alive. Also called at exit, so a script that destroys its own group is covered."""
     _MESHES.clear()
     _ulysses.release_groups()
+    _torch_cp.clear_sharding_caches()
     gc.collect()
 
 

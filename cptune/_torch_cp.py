@@ -15,7 +15,9 @@ feature detection, so a torch release that moves things costs this one file:
 The other private torch calls cptune makes, one function each: :func:`resolve_group` (a
 process group from its name, as torch's compile-friendly collectives pass it),
 :func:`in_backward` (whether autograd is running a backward pass), :func:`sdp_priority_order`
-(SDPA's backend order) and :func:`use_count` (how many references hold a tensor's storage).
+(SDPA's backend order), :func:`use_count` (how many references hold a tensor's storage) ,
+:func:`clear_sharding_caches` (DTensor's sharding caches, which hold meshes and so process groups) and
+:func:`registered_groups` (every process group of this process).
 
 The kernels that run over the ring live in :mod:`cptune._kernels`, the ring's custom ops in
 :mod:`cptune._ring`. Benchmarks reach torch's module through :func:`require_cp`.
@@ -24,8 +26,10 @@ The kernels that run over the ring live in :mod:`cptune._kernels`, the ring's cu
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import inspect
+import weakref
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -165,3 +169,28 @@ def use_count(t: torch.Tensor) -> int:
     """How many references the tensor's storage object has (autograd's saved copies included)."""
     counter = getattr(t, "_use_count", None)
     return counter() if counter is not None else 0
+
+
+def clear_sharding_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (the Python one and the C++ fast path's). Every DTensor op
+    an FSDP2 model ran is cached there with its specs, so their meshes, and the process groups those hold,
+    live as long as the cache: to the interpreter's teardown."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without DTensor's caches: nothing held
+        return
+    _clear_sharding_prop_cache()
+
+
+def registered_groups() -> list[weakref.ref]:
+    """Every process group this process made (the default one and each subgroup), weakly held."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    return [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map]
+
+
+def keep_to_the_end(group: dist.ProcessGroup) -> None:
+    """One reference to ``group`` that is never dropped: the interpreter's teardown, which frees what its
+    modules held, never frees it (freed there, a gloo group joins worker threads that need the GIL of an
+    interpreter being torn down, and the process aborts). The process's exit ends its idle threads."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

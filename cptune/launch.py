@@ -91,14 +91,24 @@ def close_rank() -> None:
     process group destroyed, while the interpreter is alive. Without it a gloo worker thread can outlive
     the interpreter's finalization and abort the process (exit by SIGABRT) after all its work was done.
     A process that leaves on an error or a signal should not call it: its group may hold work whose
-    peers are gone (see the CLI's ``_leave``)."""
+    peers are gone (see the CLI's ``_leave``).
+
+    Call it after the work's own function has returned, so that its model and meshes are gone. A group
+    something still holds after that (torch itself keeps the default group of an FSDP2 model's training
+    referenced from C++) is kept to the very end of the process instead: never freed during the
+    interpreter's teardown, its threads stay idle until the process exits."""
     import torch.distributed as dist
 
+    from . import _torch_cp
     from ._session import release_groups
 
+    groups = _torch_cp.registered_groups()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     release_groups()  # cptune's references dropped, then collected: the groups are freed now
+    for group in groups:
+        if group() is not None:
+            _torch_cp.keep_to_the_end(group())
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,

@@ -254,8 +254,6 @@ def main() -> None:
         models.export_model(model, export, dtype=getattr(torch, args.export_dtype))
         if rank == 0:
             print(f"exported to {export}", flush=True)
-    if distributed:
-        cptune.launch.close_rank()  # meshes, groups, then the process group: before the interpreter ends
 
 
 if __name__ == "__main__":
@@ -263,3 +261,4 @@ if __name__ == "__main__":
         main()
     except cptune.CPTuneError as exc:  # what the user gave (a model, weights, an export folder): the named error
         raise SystemExit(str(exc)) from None
+    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

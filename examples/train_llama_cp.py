@@ -244,9 +244,8 @@ def main() -> None:
             with open(args.losses_out, "w") as f:
                 json.dump({"losses": losses, "world": world, "dp": dp, "cp": cp, "config": config.label(),
                            "compile": args.compile, "ac": args.ac, "fsdp": args.fsdp}, f)
-    if distributed:
-        cptune.launch.close_rank()  # meshes, groups, then the process group: before the interpreter ends
 
 
 if __name__ == "__main__":
     main()
+    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

@@ -121,9 +121,8 @@ def main() -> None:
     if rank == 0 and args.losses_out:
         with open(args.losses_out, "w") as f:
             json.dump({"losses": losses, "world": world}, f)
-    if distributed:
-        cptune.launch.close_rank()  # meshes, groups, then the process group: before the interpreter ends
 
 
 if __name__ == "__main__":
     main()
+    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

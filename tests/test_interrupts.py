@@ -222,6 +222,47 @@ def test_a_signal_held_outside_a_trial_is_never_dropped():
     assert named.after(done) is named and SearchInterrupted(signal.SIGINT).after([]).study_name == ""
 
 
+def test_a_signal_inside_a_finalizer_still_stops_the_measurement_at_once():
+    """A signal landing in a weakref callback (SQLAlchemy's, any collection's) raises there, where Python drops
+    the exception: the measurement is stopped all the same, right after the callback, not left to run on
+    (under torchrun its peers are gone by then: the rank would hang until torchrun kills it)."""
+    import weakref
+
+    from cptune.search.interrupts import Interrupts, SearchInterrupted
+
+    class Thing:
+        pass
+
+    def in_finalizer(_):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # the handler runs here, inside the callback
+            pass
+
+    hook = sys.unraisablehook
+    with pytest.raises(SearchInterrupted) as info:
+        with Interrupts() as window:
+            with window.immediate():
+                thing = Thing()
+                ref = weakref.ref(thing, in_finalizer)
+                start = time.monotonic()
+                del thing  # the callback runs now
+                while time.monotonic() < start + 10:  # the measurement, running on
+                    pass
+    ran_on = time.monotonic() - start
+    assert info.value.exit_code == 143 and ref() is None
+    assert ran_on < 2, f"the measurement ran on for {ran_on:.1f}s after the signal"
+    assert sys.unraisablehook is hook and window.pending is None
+    errors = []  # outside a window, other unraisable errors still reach the hook that was there
+    with Interrupts():
+        sys.unraisablehook, saved = errors.append, sys.unraisablehook
+        try:
+            with Interrupts():
+                weakref.ref(Thing(), lambda _: 1 / 0)
+        finally:
+            sys.unraisablehook = saved
+    assert len(errors) == 1 and isinstance(errors[0].exc_value, ZeroDivisionError)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_under_torchrun_a_signal_to_the_job_leaves_the_study_consistent_and_resumable(tmp_path, sig):
     """Ctrl-C reaches the terminal's whole process group (SIGINT), a scheduler signals every process of

@@ -80,8 +80,9 @@ def test_a_dead_rank_is_reported_not_waited_for():
 
 def _groups_outlive_a_plain_destroy_but_not_close_rank():
     """Every group cptune built (the world mesh, a CP block's mesh, hybrid groups), weakly held: a plain
-    destroy_process_group leaves them alive while cptune's caches hold them (then freed during the interpreter's
-    teardown, where gloo's worker threads abort the process); close_rank frees them while it is alive."""
+    destroy_process_group leaves them alive while cptune's caches hold them, and DTensor's sharding caches,
+    which hold the mesh of an FSDP2 model that ran (then freed during the interpreter's teardown, where gloo's
+    worker threads abort the process); close_rank frees them while it is alive."""
     import gc
     import weakref
 
@@ -95,15 +96,36 @@ def _groups_outlive_a_plain_destroy_but_not_close_rank():
     q = torch.randn(1, 2, 8, 4)
     with cptune.context_parallel(buffers=[q], seq_dims=[2], config=cptune.CPConfig(load_balance=False)):
         pass
-    groups = [mesh.get_group(), *_ulysses.hybrid_groups(mesh, 2, 2),
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2,)))
+    model(torch.randn(2, 4)).sum().backward()
+    groups = [mesh.get_group(), *_ulysses.hybrid_groups(mesh, 2, 2), *model.weight.device_mesh.get_all_groups(),
               *(m.get_group(d) for m in _session._MESHES.values() for d in range(m.ndim))]
     refs = [weakref.ref(g) for g in groups]
-    del groups, mesh
+    del groups, mesh, model
     dist.destroy_process_group()
     gc.collect()
     held = sum(r() is not None for r in refs)
     close_rank()
     return len(refs), held, sum(r() is not None for r in refs), dist.is_initialized()
+
+
+def _a_group_held_elsewhere_at_close_rank_is_kept_to_the_end():
+    """A group something else still holds when close_rank runs (as torch's C++ holds the default group after an
+    FSDP2 model trained) is never freed, not even once that holder lets go in the interpreter's teardown."""
+    import gc
+    import weakref
+
+    from cptune.launch import close_rank
+
+    kept = dist.new_group([0, 1])
+    ref = weakref.ref(kept)
+    close_rank()
+    del kept
+    gc.collect()
+    return ref() is not None
 
 
 def test_close_rank_frees_every_group_while_the_interpreter_lives_and_ranks_exit_cleanly():
@@ -115,3 +137,9 @@ def test_close_rank_frees_every_group_while_the_interpreter_lives_and_ranks_exit
     for made, held_after_destroy, alive_after_close, initialized in results:
         assert made >= 4 and held_after_destroy == made and alive_after_close == 0 and not initialized
     assert group.exitcodes == [0, 0]  # each rank's own exit, after its close_rank
+    group = WorkerGroup(2)
+    try:
+        assert group.run(_a_group_held_elsewhere_at_close_rank_is_kept_to_the_end) == [True, True]
+    finally:
+        group.close()
+    assert group.exitcodes == [0, 0]

@@ -7,15 +7,32 @@ dropped: leaving the :class:`Interrupts` window raises it at the latest. The tri
 running is recorded as interrupted, which a resumed search measures again (a trial that failed
 on its own is not retried). Windows nest: an inner one (the library's ``search``) takes over a
 signal the outer one (the CLI) held, and hands back one it held when an error ends it.
+
+A signal that lands while a finalizer runs (a weakref callback, ``__del__``: the storage's SQLAlchemy
+has them, and any garbage collection runs them) raises there, and Python drops an exception raised in
+a finalizer: the window's ``sys.unraisablehook`` catches that one and delivers the signal again, so a
+measurement still stops at once (its peers may be gone; waiting on them would hang the rank).
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
+
+
+def _inside(frame: Any, code: Any) -> bool:
+    """Whether ``frame`` or one of its callers runs ``code``."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class SearchInterrupted(BaseException):
@@ -50,19 +67,36 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.pending: int | None = None
-        self._immediate = False
+        self._measuring = False  # inside immediate()
+        self._immediate = False  # a signal raises now (once: a second one while it unwinds is held)
         self._old: dict[int, Any] = {}
+        self._old_hook: Any = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.pending = signum  # held until it is seen leaving the window (below), or raised at the next safe point
-        if self._immediate:
+        if self._immediate and not _inside(frame, Interrupts._unraisable.__code__):
             self._immediate = False
-            raise SearchInterrupted(signum)  # inside a finalizer (a weakref callback) Python drops it: still held
+            raise SearchInterrupted(signum)
+
+    def _unraisable(self, unraisable: Any) -> None:
+        """Our stop, raised inside a finalizer and dropped there: delivered again once the finalizer has
+        returned (from a helper thread, until it has got out), while the measurement is still running."""
+        if not isinstance(unraisable.exc_value, SearchInterrupted):
+            self._old_hook(unraisable)
+        elif self._measuring and self.pending is not None:
+            self._immediate = True
+            threading.Thread(target=self._deliver, args=(self.pending,), daemon=True).start()
+
+    def _deliver(self, signum: int) -> None:
+        while self._immediate and self._measuring:
+            _thread.interrupt_main(signum)  # the handler runs at the main thread's next instruction
+            time.sleep(0.001)
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+            self._old_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
             outer = self._outer()
             if outer is not None and outer.pending is not None:  # held by the outer window: ours now
                 self.pending, outer.pending = outer.pending, None
@@ -76,6 +110,8 @@ class Interrupts:
         outer = self._outer()
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._old:
+            sys.unraisablehook, self._old_hook = self._old_hook, None
         self._old.clear()
         if exc_type is None:
             self.check()  # a signal held to the end still stops the caller
@@ -93,11 +129,11 @@ class Interrupts:
     def immediate(self) -> Iterator[None]:
         """While measuring: a signal stops the trial at once."""
         self.check()
-        self._immediate = True
+        self._measuring = self._immediate = True
         try:
             yield
         except SearchInterrupted:
             self.pending = None  # it got out: nothing is held
             raise
         finally:
-            self._immediate = False
+            self._measuring = self._immediate = False
