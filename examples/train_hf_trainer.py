@@ -131,3 +131,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
