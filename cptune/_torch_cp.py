@@ -15,7 +15,7 @@ feature detection, so a torch release that moves things costs this one file:
 The other private torch calls cptune makes, one function each: :func:`resolve_group` (a
 process group from its name, as torch's compile-friendly collectives pass it),
 :func:`in_backward` (whether autograd is running a backward pass), :func:`sdp_priority_order`
-(SDPA's backend order), :func:`use_count` (how many references hold a tensor's storage) ,
+(SDPA's backend order), :func:`use_count` (how many references hold a tensor's storage),
 :func:`clear_sharding_caches` (DTensor's sharding caches, which hold meshes and so process groups) and
 :func:`registered_groups` (every process group of this process).
 

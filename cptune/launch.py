@@ -106,9 +106,9 @@ def close_rank() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     release_groups()  # cptune's references dropped, then collected: the groups are freed now
-    for group in groups:
-        if group() is not None:
-            _torch_cp.keep_to_the_end(group())
+    for group in (ref() for ref in groups):
+        if group is not None:
+            _torch_cp.keep_to_the_end(group)
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,
