@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cptune import _documents
-from cptune._sharding import Layout
+from cptune.attention import _documents
+from cptune.attention._sharding import Layout
 from cptune.config import CPConfig
 from cptune.search import MeasureSettings, Workload
 from cptune.search.measure import measure_on_rank
@@ -53,11 +53,10 @@ def ideal(seq_len: int, documents: str) -> float:
 
 def imbalances(seq_len: int, documents: str, ring: int = 2) -> dict[str, float]:
     """Max / mean attended pairs per ring rank: PyTorch's head-tail layout and cptune's work balancing."""
-    from cptune._session import _balanced
-
     ids = workload(seq_len, documents).document_ids()
     work = _documents.token_work(ids, seq_len, True, None)
-    chunks = _balanced(ids, seq_len, ring, ring, True, None)
+    found = _documents.work_chunks(work, ring)
+    chunks = found[0] if found is not None else None
 
     def of(layout: Layout) -> float:
         per = [float(work[layout.ring_positions(seq_len, r)].sum()) for r in range(ring)]

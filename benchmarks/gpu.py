@@ -66,7 +66,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
     """
     import torch.distributed as dist
 
-    from cptune import _kernels, _ring
+    from cptune.attention import _kernels, _ring
 
     group = group or dist.group.WORLD
     torch.manual_seed(0)

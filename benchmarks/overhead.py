@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cptune
-from cptune import _ring
+from cptune.attention import _ring
 
 
 def interleaved_medians(ways: dict, repeats: int, before=None) -> dict[str, float]:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cptune._ulysses import kv_replication
+from cptune.attention import kv_replication
 from cptune.config import CPConfig
 from cptune.search import MeasureSettings, Workload
 from cptune.search.measure import measure_on_rank

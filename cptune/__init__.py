@@ -24,11 +24,9 @@ from . import _deps
 
 _deps.check()  # a dependency older than cptune's floor: one clear ImportError, not an AttributeError mid-search
 
-from ._documents import documents_from_cu_seqlens, documents_from_eos, documents_from_lengths, \
-    documents_from_position_ids
-from ._attention import RING_ATTENTION_OPS
+from .attention import RING_ATTENTION_OPS, ULYSSES_OPS, documents_from_cu_seqlens, documents_from_eos, \
+    documents_from_lengths, documents_from_position_ids
 from ._loss import packed_labels_and_positions, shift_labels
-from ._ulysses import ULYSSES_OPS
 from ._version import __version__  # noqa: F401
 from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, scaled_dot_product_attention, \

@@ -116,7 +116,7 @@ class Documents(_Checked):
     name = "documents"
 
     def read(self, value: str) -> str:
-        from ._documents import read_spec
+        from .attention import read_spec
 
         read_spec(value)
         return value

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._documents import documents_from_cu_seqlens, packed_documents
+from .attention import documents_from_cu_seqlens, packed_documents
 from ._loss import IGNORE_INDEX
 from ._session import active
 from .context import scaled_dot_product_attention

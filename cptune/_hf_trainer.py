@@ -34,7 +34,7 @@ import transformers
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ._hf import enable
-from ._documents import packed_documents
+from .attention import packed_documents
 from ._loss import IGNORE_INDEX, shift_labels
 from .config import ConfigLike
 from .context import context_parallel, replica

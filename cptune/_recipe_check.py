@@ -9,7 +9,7 @@ from ._env import environment, total_device_memory
 from .errors import Problem
 from .recipe import Recipe, world_size_problems
 from .sizes import format_size
-from .validate import backend_problem
+from .attention import backend_problem
 
 
 def _memory_problems(recipe: Recipe) -> list[Problem]:

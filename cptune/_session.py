@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import gc
 import warnings
 from collections.abc import Mapping, Sequence
@@ -12,20 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
-from . import _attention, _documents, _hooks, _loss, _routing, _sharding, _torch_cp, _ulysses
+from . import _loss, _torch_cp
+from . import attention as A
 from .config import CPConfig
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .recipe import world_size_problems
-from .validate import BufferPlan, check_buffers, pick_backend, transport_problems
+from .validate import BufferPlan, check_buffers, transport_problems
 
-_KERNELS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "math": SDPBackend.MATH,
-}
 _MESHES: dict[tuple, DeviceMesh] = {}  # meshes cptune built, reused: building one is a collective
 _ACTIVE: list[_Session] = []  # sessions inside a with-block / decorated call, innermost last
 
@@ -40,18 +36,12 @@ def release_groups() -> None:
     process ("terminate called without an active exception"). Freed here, its threads are joined while
     the interpreter is alive. Also called at exit, so a script that destroys its own group is covered."""
     _MESHES.clear()
-    _ulysses.release_groups()
+    A.release_groups()
     _torch_cp.clear_sharding_caches()
     gc.collect()
 
 
 atexit.register(release_groups)
-
-
-def default_backends() -> tuple[str, ...]:
-    """PyTorch's SDPA priority order, as cptune backend names."""
-    names = {int(v): k for k, v in _KERNELS.items()}
-    return tuple(names[i] for i in _torch_cp.sdp_priority_order() if i in names)
 
 
 def world_mesh(device_type: str) -> DeviceMesh:
@@ -76,8 +66,6 @@ class _Session:
         self.documents: torch.Tensor | None = None  # (B or 1, S) int64 on the CPU, once checked
         self.window = None
         self._asked = (documents, window)
-        self._chunks: tuple[tuple[int, ...], ...] | None = None  # work-balanced layout (documents, causal)
-        self._positions: torch.Tensor | None = None
         self.dp = self.cp = self.ulysses = self.ring = 1
         self.cp_rank = self.dp_rank = 0
         self.ulysses_group: dist.ProcessGroup | None = None  # ranks that trade heads (Ulysses / hybrid)
@@ -86,15 +74,16 @@ class _Session:
         self.cp_mesh: DeviceMesh | None = None
         self.group: dist.ProcessGroup | None = None
         self.plan = BufferPlan()
-        self.backends: tuple[str, ...] = config.sdpa_backend or default_backends()
+        self.backends: tuple[str, ...] = config.sdpa_backend or A.default_backends()
         self.device_type = "cpu"
         self.shards: dict[str, torch.Tensor] = {}
         self._grad_buffers: dict[int, tuple[torch.Tensor, int]] = {}
         self._stack = contextlib.ExitStack()
         self._restores: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         self._originals: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, buffer, whole sequence)
-        self._checkpointed = False  # a checkpointed ring forward ran since the last backward
-        self._forward_since_backward = False
+        self.setup = A.Setup(A.Layout(1, 1, False), self.backends)  # resolved when the block opens
+        self._route = A.Route(self.setup)
+        self._record = A.ForwardRecord()  # the CP attention forwards since the last backward
 
     # -- setting up ------------------------------------------------------------------
     def start(self, mesh: DeviceMesh | None, buffers: Any, seq_dims: Any, no_restore: Sequence[Any],
@@ -115,7 +104,7 @@ class _Session:
             self.plan.load_balance = self.config.load_balance_for(self.causal, self.cp)
         dtype = next((t.dtype for t in self.plan.tensors if t.is_floating_point()), None)
         if self.config.sdpa_backend is not None:
-            problems += pick_backend(self.backends, self.device_type, dtype, ring=self.ring > 1)[1]
+            problems += A.pick_backend(self.backends, self.device_type, dtype, ring=self.ring > 1)[1]
         raise_if(problems)  # nothing has been communicated or changed yet
         if self.cp > 1:
             problem = _torch_cp.support_problem()
@@ -125,17 +114,16 @@ class _Session:
         for note in self.plan.notes:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 warnings.warn(note, CPTuneWarning, stacklevel=4)
-        if self.documents is not None and self.plan.load_balance and self.ring > 1:
-            self._chunks = _balanced(self.documents, self.plan.seq_len, self.cp, self.ring, self.causal, self.window)
+        self._resolve()
         try:
             self._shard(no_restore, inplace)
             if self.config.sdpa_backend is not None:
                 self._stack.enter_context(
-                    sdpa_kernel([_KERNELS[b] for b in self.backends], set_priority=True))
+                    sdpa_kernel([A.SDPA_KERNELS[b] for b in self.backends], set_priority=True))
             if self.cp > 1 or self.documents is not None or self.window is not None:
-                self._stack.enter_context(_routing.SDPAMode(self))
-                self._stack.enter_context(_routing.patched_sdpa(self))
-                self._stack.enter_context(_hooks.forward_listener(self._ring_forward_ran))
+                self._stack.enter_context(A.SDPAMode(self._route))
+                self._stack.enter_context(A.patched_sdpa(self._route))
+                self._record = self._stack.enter_context(A.recording())
         except BaseException:
             self.stop(failing=True)
             raise
@@ -147,7 +135,7 @@ class _Session:
         documents, window = self._asked
         problems = []
         try:
-            self.window = _documents.check_window(window)
+            self.window = A.check_window(window)
         except ValidationError as exc:
             problems += exc.problems
         if (documents is not None or window is not None) and self.plan.seq_len is None:
@@ -155,10 +143,10 @@ class _Session:
                                        "is sharded, so the block knows no sequence to apply it to",
                                        "pass the sequence buffers too (buffers= / seq_dims=)")]
         if documents is not None:
-            found = _documents.document_problems(documents, self.plan.seq_len, None)
+            found = A.document_problems(documents, self.plan.seq_len, None)
             if found:
                 return problems + found
-            self.documents = _documents.as_rows(documents)
+            self.documents = A.as_rows(documents)
         return problems
 
     def _resolve_mesh(self, mesh: DeviceMesh | None, buffer_device: str | None) -> list[Problem]:
@@ -225,7 +213,7 @@ class _Session:
             elif self.ulysses == 1:
                 self.ring_group = self.group
             else:
-                self.ulysses_group, self.ring_group = _ulysses.hybrid_groups(self.mesh or self.cp_mesh, self.cp,
+                self.ulysses_group, self.ring_group = A.hybrid_groups(self.mesh or self.cp_mesh, self.cp,
                                                                                   self.ulysses)
         if self.mesh is not None and self.mesh.ndim == 2:
             self.dp_rank = self.mesh.get_local_rank(0)
@@ -238,44 +226,47 @@ class _Session:
             elif t.requires_grad:
                 # Autograd forbids resizing such tensors: shard them where they are used.
                 self._grad_buffers[id(t)] = (t, dim)
-                self.shards[name] = self._local(t) if not inplace else t
+                self.shards[name] = self.setup.local(t) if not inplace else t
             elif not inplace:
-                self.shards[name] = _sharding.shard(t, dim, self.layout, self.cp_rank)
+                self.shards[name] = A.shard(t, dim, self.layout, self.cp_rank)
             else:
                 with torch.no_grad():
                     saved = t.detach()
-                    t.set_(_sharding.shard(t, dim, self.layout, self.cp_rank))
+                    t.set_(A.shard(t, dim, self.layout, self.cp_rank))
                 if not any(t is x for x in no_restore):
                     self._restores.append((name, t, saved, _torch_cp.use_count(t)))
                 self.shards[name] = t
 
+    def _resolve(self) -> None:
+        """The block's attention setup, resolved once (the work-balanced layout of its documents included)."""
+        chunks = None
+        if self.documents is not None and self.plan.load_balance and self.ring > 1:
+            work = A.token_work(self.documents, self.plan.seq_len, self.causal, self.window)
+            found = A.work_chunks(work, self.ring)
+            chunks = found[0] if found is not None and found[0] != A.head_tail_chunks(self.ring) else None
+        layout = A.Layout(self.cp, self.ring, self.plan.load_balance, chunks)
+        self._set_setup(A.Setup(
+            layout, self.backends, causal=self.causal, strategy=self.config.strategy,
+            rotate_method=self.config.rotate_method, load_balance=self.plan.load_balance, seq_len=self.plan.seq_len,
+            cp_rank=self.cp_rank, group=self.group, ulysses_group=self.ulysses_group, ring_group=self.ring_group,
+            documents=self.documents, window=self.window, positions=A.ring_positions(layout, self.plan.seq_len),
+            grad_buffers=self._grad_buffers))
+
+    def _set_setup(self, setup: A.Setup) -> None:
+        self.setup = self._route.setup = setup
+
     # -- inside the block --------------------------------------------------------------
-    def _local(self, t: Any) -> Any:
-        entry = self._grad_buffers.get(id(t)) if isinstance(t, torch.Tensor) else None
-        if entry is None or entry[0] is not t:
-            return t
-        return _sharding.ShardWithGrad.apply(t, entry[1], self.group, self.layout, self.cp_rank)
-
     @property
-    def layout(self) -> _sharding.Layout:
-        return _sharding.Layout(self.cp, self.ring, self.plan.load_balance, self._chunks)
-
-    def positions(self) -> torch.Tensor:
-        """(ring degree, S / ring degree): the global positions each ring rank's block holds."""
-        if self._positions is None:
-            layout, n = self.layout, self.plan.seq_len
-            self._positions = torch.stack([layout.ring_positions(n, r) for r in range(self.ring)])
-        return self._positions
-
-    def sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return _attention.attend(self, *args, **kwargs)
+    def layout(self) -> A.Layout:
+        return self.setup.layout
 
     def use_documents(self, documents: torch.Tensor, source: str) -> None:
         """Apply documents found after the block opened (a transformers packed batch): same as given, or refused."""
-        ids = _documents.as_rows(documents)
+        ids = A.as_rows(documents)
         if self.documents is None:
-            raise_if(_documents.document_problems(ids, self.plan.seq_len, None, source))
+            raise_if(A.document_problems(ids, self.plan.seq_len, None, source))
             self.documents = ids
+            self._set_setup(dataclasses.replace(self.setup, documents=ids))
         elif not _same_documents(self.documents, ids):
             raise_if([Problem(source, "describe other documents than the block's documents=",
                               "pass the same packing to both, or leave documents= out and let the model's "
@@ -288,21 +279,6 @@ class _Session:
                 return saved
         return None
 
-    def ring_backend(self, device_type: str, dtype: torch.dtype) -> str:
-        # No cache: a side effect here would break torch.compile inside checkpointed regions.
-        name, problems = pick_backend(self.backends, device_type, dtype, ring=True)
-        raise_if(problems)
-        return name
-
-    def _ring_forward_ran(self) -> None:
-        """Called by every ring forward (not a recompute inside backward) while the block is open."""
-        self._forward_since_backward = True
-        if not self._checkpointed and _routing.under_checkpoint():  # one stack walk until the next backward
-            self._checkpointed = True
-
-    def backward_ran(self) -> None:
-        self._checkpointed = self._forward_since_backward = False
-
     # -- afterwards ---------------------------------------------------------------------
     def stop(self, failing: bool = False) -> None:
         """Undo everything; unless the block is already failing, refuse a backward that would go wrong."""
@@ -311,7 +287,7 @@ class _Session:
         try:
             self._stack.close()
         finally:
-            keep = [] if failing or not self._forward_since_backward else [
+            keep = [] if failing or not self._record.since_backward else [
                 name for name, t, _, count in self._restores if _torch_cp.use_count(t) > count]
             for name, t, saved, _ in self._restores:
                 if name not in keep:
@@ -324,7 +300,7 @@ class _Session:
                           "backward. Call loss.backward() inside the with-block (or the decorated function), or "
                           "list it in no_restore=[...] to keep it sharded on purpose (and silence this)",
                           CPTuneWarning, stacklevel=3)
-        if self._checkpointed and not failing:
+        if self._record.checkpointed and not failing:
             raise_if([Problem(
                 "backward", "attention ran under activation checkpointing in this block and backward has "
                 "not run yet; its recompute would run outside the block as single-device attention on "
@@ -350,7 +326,7 @@ class _Session:
         if self.cp == 1:
             out = [t.detach() for t in items]
         else:
-            out = [_sharding.gather(t.detach(), d % t.ndim, self.group, self.layout)
+            out = [A.gather(t.detach(), d % t.ndim, self.group, self.layout)
                    for t, d in zip(items, dims)]
         return out[0] if single else out
 
@@ -362,20 +338,6 @@ def _same_documents(a: torch.Tensor, b: torch.Tensor) -> bool:
     rows = max(a.shape[0], b.shape[0])
     a, b = a.expand(rows, -1), b.expand(rows, -1)
     return bool(((a[:, 1:] != a[:, :-1]) == (b[:, 1:] != b[:, :-1])).all())
-
-
-def _balanced(documents: torch.Tensor, seq_len: int, cp: int, ring: int, causal: bool,
-              window: Any) -> tuple[tuple[int, ...], ...] | None:
-    """Chunks per ring rank that balance the causal work of these documents (None: head-tail is as good)."""
-    work = _documents.token_work(documents, seq_len, causal, window)
-    grid = next((g for g in (8 * ring, 4 * ring, 2 * ring) if seq_len % g == 0), None)
-    if grid is None:
-        return None
-    chunks = _documents.balanced_chunks(work, ring, grid)
-    head_tail = _documents.head_tail_chunks(ring)
-    if _documents.imbalance(work, chunks, grid) >= _documents.imbalance(work, head_tail, 2 * ring):
-        return None
-    return chunks
 
 
 def _restore(t: torch.Tensor, saved: torch.Tensor) -> None:

@@ -19,8 +19,14 @@ process group from its name, as torch's compile-friendly collectives pass it),
 :func:`clear_sharding_caches` (DTensor's sharding caches, which hold meshes and so process groups) and
 :func:`registered_groups` (every process group of this process).
 
-The kernels that run over the ring live in :mod:`cptune._kernels`, the ring's custom ops in
-:mod:`cptune._ring`. Benchmarks reach torch's module through :func:`require_cp`.
+And torch's private SDPA kernels (``aten._scaled_dot_product_*`` and their backwards), whose positional
+signatures and returned layouts change between releases, are called only here: :func:`ring_forward` /
+:func:`ring_backward` run them under torch's ring, :func:`kernel_forward` / :func:`kernel_backward` run one
+block, each with one signature for every kernel. :func:`is_view` reads a tensor's ``_base``.
+
+What runs over these kernels lives in :mod:`cptune.attention`: the backends and the block kernels'
+dispatch in ``attention/_kernels.py``, the ring's custom ops in ``attention/_ring.py``. Benchmarks reach
+torch's module through :func:`require_cp`.
 """
 
 from __future__ import annotations
@@ -194,3 +200,152 @@ def keep_to_the_end(group: dist.ProcessGroup) -> None:
     modules held, never frees it (freed there, a gloo group joins worker threads that need the GIL of an
     interpreter being torn down, and the process aborts). The process's exit ends its idle threads."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor's storage."""
+    return t._base is not None
+
+
+# -- torch's private SDPA kernels ---------------------------------------------------------------------------
+# A kernel is named (device type, backend): ("cpu", "flash") is the CPU flash kernel, ("cuda", name) the
+# CUDA flash / efficient / cuDNN kernels. Forward returns (out, saved), saved[0] the log-sum-exp.
+
+_aten = torch.ops.aten
+_CUDA_KERNELS = {
+    "flash": "_scaled_dot_product_flash_attention",
+    "efficient": "_scaled_dot_product_efficient_attention",
+    "cudnn": "_scaled_dot_product_cudnn_attention",
+}
+
+
+def expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value repeated so each query head has its own (grouped-query attention); as given otherwise."""
+    groups = query.shape[1] // key.shape[1]
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+
+def fold_kv_grads(dk: torch.Tensor, dv: torch.Tensor, key_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expanded key/value gradients summed back onto their own ``key_heads`` heads (in float32)."""
+    if dk.shape[1] == key_heads:
+        return dk, dv
+    return (dk.unflatten(1, (key_heads, -1)).sum(2, dtype=torch.float32),
+            dv.unflatten(1, (key_heads, -1)).sum(2, dtype=torch.float32))
+
+
+def _gqa(op: Callable[..., Any]) -> Callable[..., Any]:
+    """A forward kernel for key/value with fewer heads than the query: expanded per block, never on the wire."""
+
+    def call(query, key, value, **kwargs):  # torch's ring passes q, k, v by position
+        key, value = expand_kv(query, key, value)
+        return op(query, key, value, **kwargs)
+
+    return call
+
+
+def _gqa_backward(op: Callable[..., Any]) -> Callable[..., Any]:
+    """The backward kernel likewise; key/value grads are summed back onto their own heads (float32)."""
+
+    def call(*, query, key, value, **kwargs):
+        key_heads = key.shape[1]
+        key, value = expand_kv(query, key, value)
+        dq, dk, dv, *rest = op(query=query, key=key, value=value, **kwargs)
+        return (dq, *fold_kv_grads(dk, dv, key_heads), *rest)
+
+    return call
+
+
+def has_cuda_kernel(backend: str) -> bool:
+    """Whether this torch has the CUDA kernel ``backend`` (flash / efficient / cudnn) and its backward."""
+    name = _CUDA_KERNELS[backend]
+    return hasattr(_aten, name) and hasattr(_aten, name + "_backward")
+
+
+def ring_forward(kernel: tuple[str, str], group: dist.ProcessGroup, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None) -> tuple[torch.Tensor, tuple]:
+    """torch's ring forward over ``kernel`` (grouped-query key/value expanded per call): (out, saved)."""
+    device_type, backend = kernel
+    common = dict(query=q, key=k, value=v, is_causal=is_causal, dropout_p=0.0, scale=scale)
+    if device_type == "cpu":
+        out, lse = templated_ring_forward(group, _gqa(_aten._scaled_dot_product_flash_attention_for_cpu.default),
+                                          **common)[:2]
+        return out, (lse,)
+    if backend == "efficient":
+        res = templated_ring_forward(group, _gqa(_aten._scaled_dot_product_efficient_attention), attn_bias=None,
+                                     compute_log_sumexp=True, **common)
+        return res[0], tuple(res[1:4])  # (lse, philox_seed, philox_offset)
+    if backend == "cudnn":
+        res = templated_ring_forward(group, _gqa(_aten._scaled_dot_product_cudnn_attention), attn_bias=None,
+                                     compute_log_sumexp=True, return_debug_mask=False, **common)
+    else:
+        res = templated_ring_forward(group, _gqa(_aten._scaled_dot_product_flash_attention), **common)
+    # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)
+    return res[0], tuple(res[1:8])
+
+
+def ring_backward(kernel: tuple[str, str], group: dist.ProcessGroup,
+                  grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  saved: tuple, is_causal: bool, scale: float | None) -> tuple[torch.Tensor, ...]:
+    """torch's ring backward over ``kernel`` (key/value gradients folded back per call): (dq, dk, dv)."""
+    device_type, backend = kernel
+    grad_out = grad_out.contiguous()
+    common = dict(query=q, key=k, value=v, is_causal=is_causal, dropout_p=0.0, scale=scale)
+    if device_type == "cpu":
+        (lse,) = saved
+        op, name = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "grad_out"
+        extra: dict[str, Any] = dict(out=out, logsumexp=lse)
+    elif backend == "efficient":
+        lse, seed, offset = saved
+        op, name = _aten._scaled_dot_product_efficient_attention_backward.default, "grad_out_"
+        extra = dict(attn_bias=None, out=out.transpose(1, 2).contiguous().transpose(1, 2),  # the kernel's layout
+                     logsumexp=lse, philox_seed=seed, philox_offset=offset, grad_input_mask=(True, True, True, False))
+    else:
+        lse, cum_q, cum_k, max_q, max_k, seed, offset = saved
+        op = (_aten._scaled_dot_product_cudnn_attention_backward if backend == "cudnn"
+              else _aten._scaled_dot_product_flash_attention_backward).default
+        name = "grad_out"
+        extra = dict(out=out, logsumexp=lse, cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q, max_k=max_k,
+                     philox_seed=seed, philox_offset=offset)
+        if backend == "cudnn":
+            extra["attn_bias"] = None
+    return templated_ring_backward(group, _gqa_backward(op), grad_out, name, **common, **extra)[:3]
+
+
+def kernel_forward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one call of the kernel (the CPU flash kernel on CPU, ``backend`` on CUDA), lse (B, H, L);
+    ``bias``: an additive mask (the CPU kernel only)."""
+    if q.device.type == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+    if backend == "efficient":
+        out, lse = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., :q.shape[-2]].float()
+    if backend == "cudnn":
+        res = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return res[0], res[1].reshape(q.shape[:-1]).float()
+    out, lse = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out, lse.float()
+
+
+def kernel_backward(backend: str, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, causal: bool, bias: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of one call of the kernel :func:`kernel_forward` ran, given its out and lse (B, H, L)."""
+    if q.device.type == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)[:3]
+    grad_out, out = grad_out.contiguous(), out.contiguous()
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    if backend == "efficient":
+        padded = torch.nn.functional.pad(lse, (0, -q.shape[-2] % 32))  # the kernel's own padded length
+        return _aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out.transpose(1, 2).contiguous().transpose(1, 2), padded, seed, seed, 0.0,
+            (True, True, True, False), causal, scale=scale)[:3]
+    if backend == "cudnn":
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse.unsqueeze(-1), seed, seed, None, None, None, q.shape[-2], k.shape[-2], 0.0,
+            causal, scale=scale)[:3]
+    return _aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, seed, scale=scale)[:3]

@@ -13,12 +13,12 @@ from typing import Any, Literal, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .attention._kernels import SDPA_BACKENDS
 from .errors import Problem, ProblemError, ValidationError
 
 RotateMethod = Literal["allgather", "alltoall"]
 Strategy = Literal["ring", "ulysses", "hybrid"]
-SDPABackendName = Literal["flash", "efficient", "cudnn", "math"]
-SDPA_BACKENDS: tuple[str, ...] = ("flash", "efficient", "cudnn", "math")
+SDPABackendName = Literal[SDPA_BACKENDS]  # type: ignore[valid-type]
 
 
 class StrictModel(BaseModel):

@@ -13,9 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _documents, _routing
-from ._session import _Session, active, default_backends
-from .config import SDPA_BACKENDS, ConfigLike, as_config
+from . import attention as A
+from ._session import _Session, active
+from .config import ConfigLike, as_config
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .recipe import ENV_VAR, Recipe, load_recipe
 
@@ -109,7 +109,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._session is not None
         self._session.stop(failing=exc_type is not None)
-        ours = _routing.unwrap(exc)
+        ours = A.unwrap(exc)
         if ours is not None:
             raise ours from None
 
@@ -146,7 +146,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
                 result = fn(*bound.args, **bound.kwargs)
             except BaseException as exc:
                 _stop(session, failing=True)
-                ours = _routing.unwrap(exc)
+                ours = A.unwrap(exc)
                 if ours is not None:
                     raise ours from None
                 raise
@@ -283,16 +283,16 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """
     session = active()
     if session is not None:
-        return session.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                            window="block" if window is None else window or None,
-                            documents="block" if documents is None else documents)
-    window = _documents.check_window(window or None)
+        return A.attend(session.setup, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        window="block" if window is None else window or None,
+                        documents="block" if documents is None else documents)
+    window = A.check_window(window or None)
     if (documents is None or documents is False) and window is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     if documents is not None and documents is not False:
-        raise_if(_documents.document_problems(documents, query.shape[-2], None))
-    rules = _documents.dense_mask(documents if documents is not False else None, window, is_causal, query.shape[-2],
+        raise_if(A.document_problems(documents, query.shape[-2], None))
+    rules = A.dense_mask(documents if documents is not False else None, window, is_causal, query.shape[-2],
                                   query.device)
     if attn_mask is not None:
         rules = rules & attn_mask if attn_mask.dtype == torch.bool else \
@@ -302,4 +302,4 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
 
 __all__ = ["context_parallel", "unshard", "num_items_in_batch", "replica_rows", "scaled_dot_product_attention",
-           "CPTuneWarning", "default_backends", "SDPA_BACKENDS"]
+           "CPTuneWarning"]

@@ -33,9 +33,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import _weights
-from ._attention import RING_ATTENTION_OPS
+from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ._hf import enable
-from ._ulysses import ULYSSES_OPS
 from ._files import read_json_object
 from .errors import Problem, ValidationError, raise_if
 from .workload import Workload

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .config import CPConfig, decide_load_balance
-from .validate import backend_problem
+from .attention import RING_BACKENDS, backend_problem
 from .workload import Workload
 
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -25,7 +25,7 @@ def mesh_shapes(world_size: int) -> list[tuple[int, int]]:
 
 def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
     """Backends that can ring-attend on this device and dtype, in PyTorch's priority order."""
-    return [b for b in ("flash", "efficient", "cudnn") if backend_problem(device_type, b, dtype, ring=True) is None]
+    return [b for b in RING_BACKENDS if backend_problem(device_type, b, dtype, ring=True) is None]
 
 
 def canonical(config: CPConfig) -> CPConfig:

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._kernels import ring_backend_problem
 from .config import balanced_multiple, decide_load_balance
 from .errors import Problem
 
@@ -166,17 +165,6 @@ def unshifted_label_notes(plan: BufferPlan) -> list[str]:
     return []
 
 
-def backend_problem(device_type: str, backend: str, dtype: torch.dtype | None, ring: bool) -> str | None:
-    """Why ``backend`` can't serve SDPA here (``ring``: under CP), or None."""
-    if ring:
-        return ring_backend_problem(device_type, backend, dtype or torch.float32)
-    if device_type == "cpu" and backend in ("efficient", "cudnn"):
-        return f"there is no '{backend}' kernel on cpu"
-    if device_type == "cuda" and dtype is not None:
-        return ring_backend_problem(device_type, backend, dtype) if backend != "math" else None
-    return None
-
-
 def transport_problems(device_type: str, process_backend: str | None, ring: int, rotate_method: str) -> list[Problem]:
     """A ring the process group cannot carry: gloo has no all-gather for CUDA tensors (the ranks
     crash with a segmentation fault; seen on an H200 with torch 2.11), its all-to-all works."""
@@ -185,21 +173,3 @@ def transport_problems(device_type: str, process_backend: str | None, ring: int,
                         "all-gather CUDA tensors", "use an nccl process group for CUDA buffers "
                         "(init_process_group('nccl')), or rotate_method='alltoall'")]
     return []
-
-
-def pick_backend(backends: Sequence[str], device_type: str, dtype: torch.dtype | None,
-                 ring: bool) -> tuple[str | None, list[Problem]]:
-    """The first usable backend of ``backends``; if none is usable, one problem saying why each fails."""
-    reasons = []
-    for name in backends:
-        why = backend_problem(device_type, name, dtype, ring)
-        if why is None:
-            return name, []
-        reasons.append(f"'{name}': {why}")
-    usable = [b for b in ("flash", "efficient", "cudnn", "math")
-              if backend_problem(device_type, b, dtype, ring) is None]
-    dtype_text = f", {dtype}".replace("torch.", "") if dtype is not None else ""
-    return None, [Problem("config.sdpa_backend",
-                          f"no requested backend works on {device_type}{dtype_text}"
-                          f"{' under context parallelism' if ring else ''} ({'; '.join(reasons)})",
-                          f"use one of {usable}" if usable else "use another device or dtype")]

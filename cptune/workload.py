@@ -7,7 +7,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from ._documents import documents_from_lengths, lengths_from_spec
+from .attention import documents_from_lengths, lengths_from_spec
 from .config import StrictModel
 from .errors import Problem, ProblemError, ValidationError
 

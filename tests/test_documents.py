@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cptune
-from cptune import _blocks, _documents
-from cptune._sharding import Layout
+from cptune.attention import _blocks, _documents
+from cptune.attention._sharding import Layout
 from tests._helpers import max_err
 
 FP32_TOL = 1e-5
@@ -215,7 +215,7 @@ def _balanced_case():
     docs = cptune.documents_from_lengths(lengths)
     x = torch.randn(1, 2, 256, 8)
     with cptune.context_parallel(buffers=[x], seq_dims=[2], documents=docs) as cp:
-        positions = cp._require().positions()
+        positions = cp._require().setup.positions
     work = _documents.token_work(docs, 256, True, None)
     per_rank = [float(work[p].sum()) for p in positions]
     return max(per_rank) / (sum(per_rank) / len(per_rank)), dist.get_rank()

@@ -79,7 +79,7 @@ STRATEGIES = {"ring-allgather": (2, {"rotate_method": "allgather"}), "ring-allto
 
 
 def _expected(form: str, strategy: str):
-    from cptune._sdpa_forms import mask_with_causal
+    from cptune.attention._forms import mask_with_causal
 
     what = FORMS[form][1]
     if form == "mask and is_causal together" and not mask_with_causal():  # torch 2.15 refuses it on one device

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import cptune
 from cptune.launch import WorkerGroup
-from cptune.validate import pick_backend
+from cptune.attention import pick_backend
 from tests._helpers import max_err
 
 pytestmark = pytest.mark.gpu
@@ -125,7 +125,7 @@ def _documents_cuda_case(backend, dtype_name, window=None, **strategy):
 
     os.environ["LOCAL_RANK"] = "0"
     torch.cuda.set_device(0)
-    from cptune import _documents
+    from cptune.attention import _documents
 
     dtype, device = getattr(torch, dtype_name), torch.device("cuda", 0)
     docs = cptune.documents_from_lengths(_documents.lengths_from_spec("longtail", 8192))

@@ -89,7 +89,8 @@ def _groups_outlive_a_plain_destroy_but_not_close_rank():
     import torch
 
     import cptune
-    from cptune import _session, _ulysses
+    from cptune import _session
+    from cptune.attention import _ulysses
     from cptune.launch import close_rank
 
     mesh = _session.world_mesh("cpu")

@@ -24,8 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .._documents import balanced_chunks, documents_from_lengths, head_tail_chunks, lengths_from_spec, token_work
-from .._ulysses import kv_replication
+from ..attention import documents_from_lengths, kv_replication, lengths_from_spec, token_work, work_chunks
 from ..config import CPConfig, decide_load_balance
 from ..workload import Workload
 from ._dims import ModelDims
@@ -97,10 +96,10 @@ def busiest_pairs(workload: Workload, ring: int, balanced: bool) -> float:
         return float(work.sum())
     if not balanced:
         return float(work.reshape(ring, -1).sum(-1).max())
-    grid = 2 * ring
-    if w.seq_len % grid:
+    layout = work_chunks(work, ring, by_work=bool(w.documents) or w.window is not None)
+    if layout is None:
         return float(work.reshape(ring, -1).sum(-1).max())
-    chunks = balanced_chunks(work, ring, grid) if (w.documents or w.window is not None) else head_tail_chunks(ring)
+    chunks, grid = layout
     per_chunk = work.reshape(grid, -1).sum(-1)
     return max(float(per_chunk[list(c)].sum()) for c in chunks)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._env import total_device_memory
-from .._ulysses import kv_replication
+from ..attention import kv_replication
 from ..config import CPConfig
 from ..workload import Workload
 

@@ -12,10 +12,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import models
-from .._attention import RING_ATTENTION_OPS
+from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from .._loss import packed_labels_and_positions
 from .._session import world_mesh
-from .._ulysses import ULYSSES_OPS
 from ..errors import CPTuneError, Problem, ValidationError
 from ..workload import Workload
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import Problem
+from ..errors import Problem
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import Problem, ValidationError, raise_if
+from ..errors import Problem, ValidationError, raise_if
 
 Window = tuple[int, int]
 
@@ -187,6 +187,25 @@ def imbalance(work: torch.Tensor, chunks: tuple[tuple[int, ...], ...], grid: int
     loads = [float(per_chunk[list(c)].sum()) for c in chunks]
     mean = sum(loads) / len(loads)
     return max(loads) / mean if mean else 1.0
+
+
+def work_chunks(work: torch.Tensor, ring: int, by_work: bool = True) -> tuple[tuple[tuple[int, ...], ...], int] | None:
+    """The load-balanced layout: (chunks each of ``ring`` ranks holds, the grid they index), or None when the
+    sequence does not cut into 2 * ring chunks. ``work``: attended pairs per token (:func:`token_work`).
+
+    Head-tail unless ``by_work`` (documents or a window) and dealing the finest grid of 8, 4 or 2 chunks per
+    rank that divides the sequence, by work, balances it better. The one layout rule: the block deals tokens
+    by it, the planner predicts with it."""
+    seq_len, head_tail = work.numel(), head_tail_chunks(ring)
+    if seq_len % (2 * ring):
+        return None
+    if not by_work:
+        return head_tail, 2 * ring
+    grid = next(g for g in (8 * ring, 4 * ring, 2 * ring) if seq_len % g == 0)
+    chunks = balanced_chunks(work, ring, grid)
+    if imbalance(work, chunks, grid) >= imbalance(work, head_tail, 2 * ring):
+        return head_tail, 2 * ring
+    return chunks, grid
 
 
 def lengths_from_spec(spec: str, seq_len: int) -> list[int]:

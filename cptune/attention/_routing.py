@@ -1,4 +1,4 @@
-"""How SDPA calls inside a block reach the session: the patched ``F.scaled_dot_product_attention``,
+"""How SDPA calls inside a block reach its attention: the patched ``F.scaled_dot_product_attention``,
 a torch-function mode for references bound before the block, and the rule on threads.
 
 What holds: one block per process at a time (a second is refused when it opens), and attention
@@ -7,26 +7,26 @@ whole process while the block is open, so a call from another thread (a data-loa
 second model served beside training) would be routed to this block's ring: it is refused with
 the fix instead. Autograd's own threads are fine: a backward pass that recomputes an activation
 checkpoint calls SDPA from them, and that recompute belongs to the block.
+
+A :class:`Route` carries the block's :class:`~._attend.Setup`; calls go straight to
+:func:`~._attend.attend` with it (the block swaps the setup in, never is called back).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from . import _torch_cp
-from .errors import CPTuneError, Problem, ValidationError, raise_if
-
-if TYPE_CHECKING:
-    from ._session import _Session
+from .. import _torch_cp
+from ..errors import CPTuneError, Problem, ValidationError, raise_if
+from ._attend import Setup, attend
+from ._hooks import backward_ran, under_checkpoint
 
 SDPA = F.scaled_dot_product_attention
 """torch's own function, as it was before any block patched it."""
@@ -38,17 +38,16 @@ FLEX_REFUSED = Problem("flex_attention", "was called inside a cptune.context_par
                        "to cptune.context_parallel(documents=..., window=...)")
 _FLEX_TEXT = f"cptune: {FLEX_REFUSED}"  # a constant: traced code formats no dataclass
 _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-_CHECKPOINT_FILES = (os.path.join("torch", "utils", "checkpoint.py"),)
 
 
-def under_checkpoint() -> bool:
-    """Whether torch.utils.checkpoint is running the caller (a forward it will recompute)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILES):
-            return True
-        frame = frame.f_back
-    return False
+class Route:
+    """Where the open block's SDPA calls go: its setup, which the block may replace (a later ``documents``)."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+
+    def sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return attend(self.setup, *args, **kwargs)
 
 
 class SDPAMode(TorchFunctionMode):
@@ -60,9 +59,9 @@ class SDPAMode(TorchFunctionMode):
     recompute would miss it: such calls under checkpointing are refused with the fix.
     """
 
-    def __init__(self, session: _Session) -> None:
+    def __init__(self, route: Route) -> None:
         super().__init__()
-        self.session = session
+        self.route = route
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -75,10 +74,10 @@ class SDPAMode(TorchFunctionMode):
                     "(a from-import) inside activation checkpointing, where its recompute cannot be routed "
                     "to the ring", "call it as torch.nn.functional.scaled_dot_product_attention(...) "
                     "(F.scaled_dot_product_attention), which cptune patches for the block")])
-            return self.session.sdpa(*args, **kwargs)
+            return self.route.sdpa(*args, **kwargs)
         result = func(*args, **kwargs)
         if func in _BACKWARDS:
-            self.session.backward_ran()
+            backward_ran()
         return result
 
 
@@ -106,8 +105,8 @@ def unwrap(exc: BaseException | None) -> CPTuneError | None:
 
 
 @contextlib.contextmanager
-def patched_sdpa(session: _Session) -> Iterator[None]:
-    """``F.scaled_dot_product_attention`` as the session's ring while the block runs.
+def patched_sdpa(route: Route) -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` as the block's attention while the block runs.
 
     torch.compile traces this function (through activation-checkpoint regions too, where it
     does not apply torch-function modes), and eager recomputes call it from autograd's threads.
@@ -117,7 +116,7 @@ def patched_sdpa(session: _Session) -> Iterator[None]:
     def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             check_thread(owner)
-        return session.sdpa(*args, **kwargs)
+        return route.sdpa(*args, **kwargs)
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:

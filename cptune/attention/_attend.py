@@ -1,34 +1,37 @@
 """One SDPA call inside a block, run under the block's strategy: which ops, in which order.
 
-* ring (u = 1): PyTorch's ring (:mod:`cptune._ring`) for plain causal / full attention; cptune's
-  masked ring (:mod:`cptune._masked_ring`) when documents, a window or a dense mask apply, and for
+* ring (u = 1): PyTorch's ring (:mod:`._ring`) for plain causal / full attention; cptune's
+  masked ring (:mod:`._masked_ring`) when documents, a window or a dense mask apply, and for
   float64 (which it merges in float64, PyTorch's ring in float32);
-* Ulysses (u = cp): sequence shards become head shards (:mod:`cptune._ulysses`), then the whole
+* Ulysses (u = cp): sequence shards become head shards (:mod:`._ulysses`), then the whole
   sequence is attended on each rank's heads: plain SDPA (any mask, dropout, the math kernel), or
   the masked path with R = 1 for documents and windows;
 * hybrid: Ulysses inside groups, then either ring over the groups.
 
-The call is first checked and brought to (B, H, S, D) by :mod:`cptune._sdpa_forms`; forms that
+The call is first checked and brought to (B, H, S, D) by :mod:`._forms`; forms that
 need no exchange (a zero-row batch, cross-attention to keys that are not sharded) run on this
 rank alone.
+
+Everything a call needs comes in one :class:`Setup`, which the block resolves once when it opens:
+nothing here reads or calls the block.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _documents, _sdpa_forms, _ulysses
-from ._kernels import expand_kv
+from . import _documents, _forms, _ulysses
+from ._kernels import expand_kv, pick_backend
 from ._masked_ring import BLOCK_ATTENTION_OPS, block_attention
 from ._ring import PYTORCH_RING_OPS, ring_attention
-from .errors import CPTuneWarning, raise_if
-
-if TYPE_CHECKING:
-    from ._session import _Session
+from ._sharding import Layout, ShardWithGrad
+from ..errors import CPTuneWarning, raise_if
 
 _aten_sdpa = torch.ops.aten.scaled_dot_product_attention.default  # below torch-function modes: not routed again
 
@@ -37,7 +40,55 @@ RING_ATTENTION_OPS = PYTORCH_RING_OPS + BLOCK_ATTENTION_OPS
 selective activation-checkpointing policy's save list."""
 
 
-def attend(s: _Session, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+@dataclass(frozen=True)
+class Setup:
+    """What one block's attention needs, resolved when the block opens (a plain value; the block replaces it
+    when a transformers model's packed inputs bring documents)."""
+
+    layout: Layout
+    backends: tuple[str, ...]
+    causal: bool = True
+    strategy: str = "ring"
+    rotate_method: str = "allgather"
+    load_balance: bool = False
+    seq_len: int | None = None
+    cp_rank: int = 0
+    group: dist.ProcessGroup | None = None  # the CP ranks
+    ulysses_group: dist.ProcessGroup | None = None  # ranks that trade heads (Ulysses / hybrid)
+    ring_group: dist.ProcessGroup | None = None  # ranks that pass key/value blocks round (ring / hybrid)
+    documents: torch.Tensor | None = None
+    window: _documents.Window | None = None
+    positions: torch.Tensor | None = None  # (ring, S / ring): the global positions each ring rank holds
+    grad_buffers: Mapping[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # id -> (buffer, seq dim)
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def ring(self) -> int:
+        return self.layout.ring
+
+    @property
+    def ulysses(self) -> int:
+        return self.layout.cp // self.layout.ring
+
+    def local(self, t: Any) -> Any:
+        """This rank's shard of ``t`` if it is a buffer that requires grad (sharded where it is used), else ``t``."""
+        entry = self.grad_buffers.get(id(t)) if isinstance(t, torch.Tensor) else None
+        if entry is None or entry[0] is not t:
+            return t
+        return ShardWithGrad.apply(t, entry[1], self.group, self.layout, self.cp_rank)
+
+
+def ring_positions(layout: Layout, seq_len: int | None) -> torch.Tensor | None:
+    """(ring degree, S / ring degree): the global positions each ring rank's block holds (None: no sequence)."""
+    if seq_len is None:
+        return None
+    return torch.stack([layout.ring_positions(seq_len, r) for r in range(layout.ring)])
+
+
+def attend(s: Setup, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
            enable_gqa=False, *, window: Any = "block", documents: Any = "block") -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's shards, as the block runs it.
 
@@ -45,13 +96,13 @@ def attend(s: _Session, query, key, value, attn_mask=None, dropout_p=0.0, is_cau
     """
     window = s.window if window == "block" else _documents.check_window(window or None, "window")
     docs = s.documents if isinstance(documents, str) and documents == "block" else _call_documents(s, documents)
-    q, k, v = s._local(query), s._local(key), s._local(value)
-    full = s.plan.seq_len
+    q, k, v = s.local(query), s.local(key), s.local(value)
+    full = s.seq_len
     masked = docs is not None or window is not None
-    call, problems = _sdpa_forms.prepare(
+    call, problems = _forms.prepare(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=enable_gqa, scale=scale,
         causal=s.causal, local_len=full // s.cp if full and s.cp > 1 else None, full_len=full,
-        strategy=s.config.strategy if s.cp > 1 else "ulysses", ulysses=s.ulysses, masked=masked)
+        strategy=s.strategy if s.cp > 1 else "ulysses", ulysses=s.ulysses, masked=masked)
     if docs is not None and call is not None:
         problems += _documents.document_problems(docs, full, call.q.shape[0], "documents")
     raise_if(problems)
@@ -76,20 +127,21 @@ def attend(s: _Session, query, key, value, attn_mask=None, dropout_p=0.0, is_cau
     return call.restore(out)
 
 
-def _ring_or_masked(s: _Session, q, k, v, attn_mask, is_causal, scale, docs, window, masked):
-    backend = s.ring_backend(q.device.type, q.dtype)
+def _ring_or_masked(s: Setup, q, k, v, attn_mask, is_causal, scale, docs, window, masked):
+    # No cache: a side effect here would break torch.compile inside checkpointed regions.
+    backend, problems = pick_backend(s.backends, q.device.type, q.dtype, ring=True)
+    raise_if(problems)
     if not masked and attn_mask is None and q.dtype != torch.float64:  # PyTorch's ring merges in float32
-        return ring_attention(q, k, v, s.ring_group, backend, is_causal, scale, s.config.rotate_method,
-                              s.plan.load_balance)
+        return ring_attention(q, k, v, s.ring_group, backend, is_causal, scale, s.rotate_method, s.load_balance)
     mask = attn_mask
     if mask is not None and mask.dtype == torch.bool and bool(mask.all()):
         mask = None  # nothing masked: the rules alone decide
     ring_rank = s.cp_rank // s.ulysses
-    return block_attention(q, k, v, s.positions(), docs, mask, window, s.ring_group if s.ring > 1 else None,
-                           ring_rank if s.ring > 1 else 0, backend, is_causal, scale, s.config.rotate_method)
+    return block_attention(q, k, v, s.positions, docs, mask, window, s.ring_group if s.ring > 1 else None,
+                           ring_rank if s.ring > 1 else 0, backend, is_causal, scale, s.rotate_method)
 
 
-def _to_heads(s: _Session, q, k, v):
+def _to_heads(s: Setup, q, k, v):
     replicas = _ulysses.kv_replication(q.shape[1], k.shape[1], s.ulysses)
     if replicas > 1:
         if not torch.compiler.is_compiling() and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -100,12 +152,12 @@ def _to_heads(s: _Session, q, k, v):
     return tuple(_ulysses.seq_to_heads(t, s.ulysses_group, s.ulysses) for t in (q, k, v))
 
 
-def _call_documents(s: _Session, documents: Any) -> torch.Tensor | None:
+def _call_documents(s: Setup, documents: Any) -> torch.Tensor | None:
     if documents is None or documents is False:
         return None
-    problems = _documents.document_problems(documents, s.plan.seq_len, None, "documents")
+    problems = _documents.document_problems(documents, s.seq_len, None, "documents")
     raise_if(problems)
     return _documents.as_rows(documents)
 
 
-__all__ = ["RING_ATTENTION_OPS", "attend"]
+__all__ = ["RING_ATTENTION_OPS", "Setup", "attend", "ring_positions"]

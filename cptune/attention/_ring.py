@@ -1,10 +1,10 @@
-"""Ring attention as ``torch.library`` custom ops over the kernels of :mod:`cptune._kernels`.
+"""Ring attention as ``torch.library`` custom ops over the kernels of :mod:`._kernels`.
 
 A custom op is opaque to torch.compile (no graph break, no tracing into collectives), is
 recorded in the autograd graph with the configuration as plain arguments (so a checkpoint's
 recompute and a backward after the block both run the ring as it was at forward time), and
 names its process group by string, as torch's own compile-friendly CP ops do.
-:func:`ring_attention` is what the session calls; :data:`PYTORCH_RING_OPS` is what
+:func:`ring_attention` is what a block's attention calls; :data:`PYTORCH_RING_OPS` is what
 selective-checkpointing policies name (through ``cptune.RING_ATTENTION_OPS``).
 """
 
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _hooks, _torch_cp
+from .. import _torch_cp
+from . import _hooks
 from ._kernels import ring_backend
 
 
@@ -24,7 +25,7 @@ def own(t: torch.Tensor) -> torch.Tensor:
     other outputs, and its fake kernel promises contiguous strides (the CUDA kernels return out in
     their own layout, which compiled code would otherwise misread)."""
     t = t.contiguous()
-    return t.clone() if t._base is not None else t
+    return t.clone() if _torch_cp.is_view(t) else t
 
 
 def _cuda_saved(backend: str, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> tuple[Any, ...]:
@@ -96,7 +97,7 @@ register_attention_autograd(_ring_attention_op, _ring_attention_backward_op)
 
 
 PYTORCH_RING_OPS = (torch.ops.cptune.ring_attention.default,)
-"""The op that runs PyTorch's ring (see ``cptune._attention.RING_ATTENTION_OPS`` for all of them)."""
+"""The op that runs PyTorch's ring (see ``cptune.RING_ATTENTION_OPS`` for all of them)."""
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, backend: str,

@@ -3,7 +3,7 @@
 PyTorch's ring (``_templated_ring_attention``) takes no mask, so this is cptune's loop. Every
 rank knows every ring rank's token positions (``positions``, (R, L)) and the document ids of the
 whole sequence, so it plans each (its queries, a ring rank's keys) pair without communication
-(:mod:`cptune._blocks`) and calls kernels only where something is attended; a ring step whose
+(:mod:`._blocks`) and calls kernels only where something is attended; a ring step whose
 block attends nothing calls no kernel. Key/value blocks still travel (they are the ring):
 
 * ``allgather``: every rank's key/value gathered at once, as PyTorch's allgather rotation;
@@ -26,7 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _hooks, _torch_cp
+from .. import _torch_cp
+from . import _hooks
 from ._blocks import Task, plan, row_groups
 from ._kernels import CAUSAL_SPLIT, accumulator, block_backward, block_forward, expand_kv, fold_kv_grads
 from ._ring import own, register_attention_autograd

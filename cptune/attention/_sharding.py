@@ -5,7 +5,7 @@ Without load balancing rank r holds the r-th of ``cp`` equal chunks. With load b
 chunks and rank r holds chunks r and 2*cp-1-r, so every rank gets the same amount of causal
 work. Under Ulysses the sequence is split in order; under the hybrid, see :class:`Layout`. With
 packed documents, load balancing balances the *work* instead (``chunks``: a finer grid of equal
-chunks dealt to the ring ranks by attended pairs, see :func:`cptune._documents.balanced_chunks`).
+chunks dealt to the ring ranks by attended pairs, see :func:`._documents.work_chunks`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ._documents import head_tail_chunks
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,7 @@ class Layout:
         """Positions of the full sequence in ring shard ``ring_rank``, in its order."""
         chunks = self.chunks
         if chunks is None:
-            chunks = tuple((r, 2 * self.ring - 1 - r) for r in range(self.ring)) if self.load_balance else \
-                tuple((r,) for r in range(self.ring))
+            chunks = head_tail_chunks(self.ring) if self.load_balance else tuple((r,) for r in range(self.ring))
         size = seq_len // sum(len(c) for c in chunks)
         return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks[ring_rank]])
 

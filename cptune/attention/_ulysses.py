@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _hooks, _torch_cp
+from .. import _torch_cp
+from . import _hooks
 
 
 def _group(name: str) -> dist.ProcessGroup:

@@ -1,0 +1,33 @@
+"""The attention core: one SDPA call of a block, run as context-parallel attention.
+
+It holds the SDPA call forms (``_forms``), packed documents and windows (``_documents``), block
+planning (``_blocks``), the kernels (``_kernels``), PyTorch's ring as custom ops (``_ring``),
+cptune's masked ring (``_masked_ring``), Ulysses (``_ulysses``), the sequence layout
+(``_sharding``), the routing of SDPA calls inside a block (``_routing``), what the ops record
+(``_hooks``) and the dispatch of one call (``_attend``).
+
+Data flows one way: the block (``cptune._session``) resolves everything once into a
+:class:`Setup` and passes it down; nothing here imports or calls the block. torch's private
+code is reached only through ``cptune._torch_cp``. The names below are what the rest of cptune
+uses; the package is internal (the public ones are re-exported by ``cptune``).
+"""
+
+from ._attend import RING_ATTENTION_OPS, Setup, attend, ring_positions
+from ._documents import Window, as_rows, check_window, dense_mask, document_problems, documents_from_cu_seqlens, \
+    documents_from_eos, documents_from_lengths, documents_from_position_ids, head_tail_chunks, imbalance, lengths_from_spec, \
+    packed_documents, read_spec, token_work, work_chunks
+from ._hooks import ForwardRecord, backward_ran, recording, under_checkpoint
+from ._kernels import RING_BACKENDS, SDPA_BACKENDS, SDPA_KERNELS, backend_problem, default_backends, pick_backend
+from ._routing import FLEX_REFUSED, Route, SDPAMode, patched_sdpa, unwrap
+from ._sharding import Layout, gather, shard
+from ._ulysses import ULYSSES_OPS, hybrid_groups, kv_replication, release_groups
+
+__all__ = [
+    "FLEX_REFUSED", "ForwardRecord", "Layout", "RING_ATTENTION_OPS", "RING_BACKENDS", "Route", "SDPAMode",
+    "SDPA_BACKENDS", "SDPA_KERNELS", "Setup", "ULYSSES_OPS", "Window", "as_rows", "attend", "backend_problem",
+    "backward_ran", "check_window", "default_backends", "dense_mask", "document_problems",
+    "documents_from_cu_seqlens", "documents_from_eos", "documents_from_lengths", "documents_from_position_ids",
+    "gather", "head_tail_chunks", "hybrid_groups", "imbalance", "kv_replication", "lengths_from_spec", "packed_documents",
+    "patched_sdpa", "pick_backend", "read_spec", "recording", "release_groups", "ring_positions", "shard",
+    "token_work", "under_checkpoint", "unwrap", "work_chunks",
+]
