@@ -45,7 +45,7 @@ from cptune.search.measure import baseline_on_rank, measure_on_rank, summarize
 from cptune.config import CPConfig
 from cptune.search.memory import default_budget, predict_peak
 from cptune.search.run import DEFAULT_MARGIN
-from cptune.search.space import mesh_shapes
+from cptune._space import mesh_shapes
 
 from .overhead import overhead_on_rank
 from .report import write_report

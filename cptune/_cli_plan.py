@@ -8,6 +8,7 @@ import click
 
 from ._cli_types import COUNT, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE, InputFile, OneOf, OutputFile, Whole
 from .errors import Problem, ValidationError
+from .workload import AC_MODES
 
 
 @click.command("plan")
@@ -31,7 +32,7 @@ from .errors import Problem, ValidationError
 @click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC",
               help="Packed documents: 16, 'longtail', or lengths.")
 @click.option("--window", type=Whole(0), default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
-@click.option("--ac", type=OneOf(["auto", "none", "selective", "full"]), default="auto", show_default=True,
+@click.option("--ac", type=OneOf(["auto", *AC_MODES]), default="auto", show_default=True,
               help="Activation checkpointing: auto ranks all three.")
 @click.option("--all", "show_all", is_flag=True, help="Print every configuration (default: the best 20).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
@@ -48,7 +49,7 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
     from . import plan as P
     from .models import parse_overrides
     from .recipe import command_line, save_recipe
-    from .sizes import parse_size
+    from ._sizes import parse_size
 
     if (model is None) == (dims is None):
         raise ValidationError([Problem("--model", "give either --model or --dims", "e.g. --model path/to/model "

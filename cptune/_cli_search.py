@@ -13,6 +13,7 @@ from ._console import progress, report_search
 from ._cli_types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, CheckedPath,
                          InputFile, Number, OneOf, OutputFile, Whole, in_flags)
 from .errors import CPTuneError
+from .workload import AC_MODES
 
 
 def _init_torchrun() -> tuple[bool, bool]:
@@ -53,7 +54,7 @@ def _leave(code: int) -> None:
 @click.option("--layers", type=COUNT, default=1, show_default=True, help="Attention layers in the proxy step.")
 @click.option("--compile", "compile_", is_flag=True,
               help="torch.compile each proxy layer (compile time reported apart).")
-@click.option("--ac", type=OneOf(["none", "full", "selective", "auto"]), default="none", show_default=True,
+@click.option("--ac", type=OneOf([*AC_MODES, "auto"]), default="none", show_default=True,
               help="Activation checkpointing per layer, as the training run will use; auto: search all three.")
 @click.option("--workload", "step", type=REFERENCE, default=None, metavar="MODULE:FUNCTION",
               help="Tune your own step: a function (workload, device) -> (step, buffers, seq_dims).")

@@ -1,5 +1,5 @@
 """What the CLI's options take, as click types: click checks each value and names the option, before the command
-runs. The rules themselves live in the library (a size is :func:`~cptune.sizes.parse_size`'s, a documents spec is
+runs. The rules themselves live in the library (a size is :func:`~cptune._sizes.parse_size`'s, a documents spec is
 the Workload's); these types only call them. :func:`in_flags` turns the Python names of a library error into the
 command's flags. Every option of every command has one of these types or one of click's own checked types
 (``IntRange``, ``FloatRange``, ``Choice``, ``Path``, flags): ``tests/test_cli_walk.py`` holds them to it."""
@@ -47,7 +47,7 @@ class Size(_Checked):
     name = "size"
 
     def read(self, value: str) -> str:
-        from .sizes import parse_size
+        from ._sizes import parse_size
 
         parse_size(value, "size")
         return value

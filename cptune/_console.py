@@ -8,7 +8,7 @@ import json
 import click
 
 from .errors import CPTuneError
-from .sizes import format_size
+from ._sizes import format_size
 
 
 def progress():

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from ._env import environment, total_device_memory
 from .errors import Problem
 from .recipe import Recipe, world_size_problems
-from .sizes import format_size
+from ._sizes import format_size
 from .attention import backend_problem
 
 

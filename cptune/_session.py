@@ -20,7 +20,7 @@ from . import attention as A
 from .config import CPConfig
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .recipe import world_size_problems
-from .validate import BufferPlan, check_buffers, transport_problems
+from ._validate import BufferPlan, check_buffers, transport_problems
 
 _MESHES: dict[tuple, DeviceMesh] = {}  # meshes cptune built, reused: building one is a collective
 _ACTIVE: list[_Session] = []  # sessions inside a with-block / decorated call, innermost last

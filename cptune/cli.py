@@ -25,7 +25,7 @@ import click
 from ._cli_types import COUNT, ENDPOINT, FOLDER, NAME, RECIPE, STORAGE, Whole, in_flags
 from .errors import CPTuneError, Problem, ValidationError
 from ._console import print_result
-from .sizes import format_size
+from ._sizes import format_size
 
 
 class _Group(click.Group):
@@ -205,7 +205,7 @@ def check(recipe_path, world_size, as_json) -> None:
 @click.option("--force", is_flag=True, help="Replace a README.md that cptune index did not write.")
 def index(folder, check_only, force) -> None:
     """Write FOLDER/README.md, the index of the recipes found in FOLDER."""
-    from .catalog import index_text, write_index
+    from ._catalog import index_text, write_index
 
     if check_only:
         target = Path(folder) / "README.md"
@@ -221,7 +221,7 @@ def index(folder, check_only, force) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def list_recipes(folders, as_json) -> None:
     """List the shipped recipes and those in FOLDERS (default: ./recipes and ./runs), with their figures."""
-    from .catalog import listing
+    from ._catalog import listing
 
     rows = listing(list(folders) or ["recipes", "runs"])
     if as_json:
@@ -241,7 +241,7 @@ def list_recipes(folders, as_json) -> None:
 @click.argument("dest", type=click.Path())
 def copy_recipe(name, dest) -> None:
     """Copy the shipped recipe NAME to DEST (a file or a folder), to edit and launch."""
-    from .catalog import copy_shipped
+    from ._catalog import copy_shipped
 
     click.echo(f"copied: {copy_shipped(name, dest)}")
 

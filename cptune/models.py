@@ -37,7 +37,7 @@ from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ._hf import enable
 from ._files import read_json_object
 from .errors import Problem, ValidationError, raise_if
-from .workload import Workload
+from .workload import AC_MODES, Workload
 
 INSTALL = "pip install 'cptune[hf]' (transformers)"
 
@@ -259,8 +259,8 @@ def _sharder(mesh: Any, dtype: torch.dtype):
 
 def _prepare(model: nn.Module, ac: str, compile: bool) -> None:
     """cptune.hf.enable, train mode, no KV cache, activation checkpointing, compile per decoder layer."""
-    if ac not in ("none", "full", "selective"):
-        raise ValidationError([Problem("ac", f"{ac!r} is not none, full or selective", "use one of them")])
+    if ac not in AC_MODES:
+        raise ValidationError([Problem("ac", f"{ac!r} is not one of {', '.join(AC_MODES)}", "use one of them")])
     raise_if(training_problems(ac, compile))
     enable(model)
     model.train()

@@ -12,7 +12,9 @@ from .config import StrictModel
 from .errors import Problem, ProblemError, ValidationError
 
 DType = Literal["float32", "bfloat16", "float16"]
-AC = Literal["none", "full", "selective", "auto"]
+AC_MODES = ("none", "selective", "full")
+"""Activation checkpointing a search or a plan can try (``--ac auto`` tries each): the one list."""
+AC = Literal[(*AC_MODES, "auto")]  # type: ignore[valid-type]
 
 
 class Workload(StrictModel):

@@ -286,7 +286,7 @@ def test_library_errors_name_python_arguments_and_only_the_cli_says_flags():
 
     import cptune
     from cptune.plan import load_hardware
-    from cptune.sizes import parse_size
+    from cptune._sizes import parse_size
 
     cli = {"cli.py", "_cli_plan.py", "_cli_search.py", "_cli_types.py"}
     flagged = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "cptune").rglob("*.py") if p.name not in cli

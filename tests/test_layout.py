@@ -14,10 +14,9 @@ MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__
 
 
 def _imports(module: str, path: Path) -> set[str]:
-    """cptune modules ``module`` imports, at module level or inside functions (TYPE_CHECKING blocks aside)."""
+    """cptune modules ``module`` imports: at module level, inside functions, and for annotations only."""
     tree = ast.parse(path.read_text())
-    guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for n in ast.walk(node)}
+    guarded: set[int] = set()
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
@@ -62,9 +61,22 @@ def test_no_import_cycle_even_through_imports_inside_functions():
 
 
 def test_only_the_boundary_module_reaches_torch_private_code():
-    private = re.compile(r"tensor\.experimental\._|_context_parallel|torch\._C\.|distributed_c10d\._")
+    """torch's private CP code, its C bindings, c10d's internals, the underscored aten ops (the SDPA kernels)
+    and a tensor's ``_base``: named in ``cptune._torch_cp`` and nowhere else, docstrings included."""
+    private = re.compile(r"tensor\.experimental\._|_context_parallel|torch\._[A-Za-z]|distributed_c10d\._|aten\._|"
+                         r"\._base\b|_use_count")
     users = sorted(m for m, p in MODULES.items() if private.search(p.read_text()))
     assert users == ["cptune._torch_cp"], users
+
+
+def test_the_attention_package_never_imports_what_uses_it():
+    """One-way flow: cptune.attention imports only itself, the boundary and the error types (annotations
+    included), so nothing in it can reach the block (``cptune._session``) or anything above."""
+    allowed = {"cptune._torch_cp", "cptune.errors", "cptune._deps"}
+    outside = {m: sorted(d for d in _imports(m, p) if not d.startswith("cptune.attention") and d not in allowed)
+               for m, p in MODULES.items() if m.startswith("cptune.attention")}
+    assert not {m: d for m, d in outside.items() if d}, outside
+    assert not any(d.startswith("cptune.attention") for d in _imports("cptune._torch_cp", MODULES["cptune._torch_cp"]))
 
 
 def test_readme_layout_names_every_module():

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import cptune
 from cptune import _torch_cp
-from cptune.validate import check_buffers, transport_problems
+from cptune._validate import check_buffers, transport_problems
 
 # -- no process group needed ----------------------------------------------------------------
 

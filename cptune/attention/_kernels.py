@@ -48,6 +48,32 @@ class RingBackend:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+def own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor that is no view: a custom op may not return views of its inputs or of its
+    other outputs, and its fake kernel promises contiguous strides (the CUDA kernels return out in
+    their own layout, which compiled code would otherwise misread)."""
+    t = t.contiguous()
+    return t.clone() if _torch_cp.is_view(t) else t
+
+
+def register_attention_autograd(forward_op: Any, backward_op: Any) -> None:
+    """Autograd for an attention op ``(q, k, v, *config) -> (out, lse)`` whose backward op is
+    ``(grad_out, q, k, v, out, lse, *config) -> (dq, dk, dv)``: the configuration travels as plain arguments."""
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, *args = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = args
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
+        return (dq, dk, dv) + (None,) * len(ctx.args)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+
+
 def _backend(device_type: str, name: str) -> RingBackend:
     kernel = (device_type, name)
     return RingBackend(name, functools.partial(_torch_cp.ring_forward, kernel),

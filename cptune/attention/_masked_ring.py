@@ -29,8 +29,8 @@ import torch.distributed as dist
 from .. import _torch_cp
 from . import _hooks
 from ._blocks import Task, plan, row_groups
-from ._kernels import CAUSAL_SPLIT, accumulator, block_backward, block_forward, expand_kv, fold_kv_grads
-from ._ring import own, register_attention_autograd
+from ._kernels import CAUSAL_SPLIT, accumulator, block_backward, block_forward, expand_kv, fold_kv_grads, own, \
+    register_attention_autograd
 
 
 def _plans(positions, docs, ring_rank, causal, window, dense, batch, device_type):

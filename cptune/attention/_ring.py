@@ -17,15 +17,7 @@ import torch.distributed as dist
 
 from .. import _torch_cp
 from . import _hooks
-from ._kernels import ring_backend
-
-
-def own(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor that is no view: a custom op may not return views of its inputs or of its
-    other outputs, and its fake kernel promises contiguous strides (the CUDA kernels return out in
-    their own layout, which compiled code would otherwise misread)."""
-    t = t.contiguous()
-    return t.clone() if _torch_cp.is_view(t) else t
+from ._kernels import own, register_attention_autograd, ring_backend
 
 
 def _cuda_saved(backend: str, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> tuple[Any, ...]:
@@ -73,24 +65,6 @@ def _ring_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torc
 @_ring_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, group_name, backend, is_causal, scale, rotate_method, load_balance):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def register_attention_autograd(forward_op: Any, backward_op: Any) -> None:
-    """Autograd for an attention op ``(q, k, v, *config) -> (out, lse)`` whose backward op is
-    ``(grad_out, q, k, v, out, lse, *config) -> (dq, dk, dv)``: the configuration travels as plain arguments."""
-
-    def setup_context(ctx, inputs, output):
-        q, k, v, *args = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = args
-
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
-        return (dq, dk, dv) + (None,) * len(ctx.args)
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
 
 
 register_attention_autograd(_ring_attention_op, _ring_attention_backward_op)

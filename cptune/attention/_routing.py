@@ -97,7 +97,7 @@ def unwrap(exc: BaseException | None) -> CPTuneError | None:
     while cause is not None and not isinstance(exc, CPTuneError) and id(cause) not in seen:
         if isinstance(cause, CPTuneError):
             return cause
-        if FLEX_REFUSED.message in str(cause):  # traced, it comes back as torch._dynamo's copy of it
+        if FLEX_REFUSED.message in str(cause):  # traced, it comes back as dynamo's copy of it
             return ValidationError([FLEX_REFUSED])
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__

@@ -11,40 +11,19 @@ import torch
 from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
-from ..sizes import format_size
-from ..space import ROTATE_METHODS, config_from, config_key, invalid_reason, mesh_shapes, strategies
+from .._sizes import format_size
+from .._space import AC_MODES, configurations
 from ..workload import Workload
 from ._calibrate import Calibration
 from ._dims import ModelDims
 from ._hardware import Hardware
 from ._step import Point, Prediction, predict
 
-AC_MODES = ("none", "selective", "full")
-
-
 def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
            backend: str = "flash") -> tuple[list[Point], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why."""
-    seen: set[str] = set()
-    valid: list[Point] = []
-    invalid: list[tuple[str, str]] = []
-    for dp, cp in mesh_shapes(world):
-        for strategy in strategies(world):
-            for rotate in ROTATE_METHODS:
-                for lb in ((True, False) if workload.causal else (False,)):
-                    config = config_from({"mesh": f"{dp}x{cp}", "strategy": strategy, "rotate_method": rotate,
-                                          "sdpa_backend": backend, "load_balance": lb})
-                    key = config_key(config)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    reason = invalid_reason(workload, config, device_type)
-                    if reason is not None:
-                        if not reason.endswith("does not split cp=" + str(cp)):  # hybrid splits of other meshes
-                            invalid.append((config.label(), reason))
-                        continue
-                    valid += [Point(config, ac) for ac in ac_modes]
-    return valid, invalid
+    valid, invalid = configurations(workload, world, (backend,), device_type)
+    return [Point(config, ac) for config in valid for ac in ac_modes], invalid
 
 
 @dataclass

@@ -7,7 +7,8 @@ from .records import TrialRecord
 from .result import SearchResult
 from .run import search
 from .settings import MeasureSettings, SearchSettings
-from .space import all_configs, config_key, pytorch_default
+from .._space import config_key
+from .space import all_configs, pytorch_default
 
 __all__ = ["DEFAULT_STORAGE", "MeasureSettings", "SearchInterrupted", "SearchResult", "SearchSettings",
            "TrialRecord", "Workload", "all_configs", "config_key", "get_storage", "pytorch_default", "search"]

@@ -27,7 +27,8 @@ from .memory import PRUNE_FACTOR, predict_peak
 from .records import INTERRUPTED, TrialRecord, over_budget_reason, pruned_reason, record_from
 from .result import SearchResult
 from .settings import SearchSettings
-from .space import axes, config_from, config_key, invalid_reason, mesh_shapes, pytorch_default
+from .._space import config_from, config_key, invalid_reason, mesh_shapes
+from .space import axes, pytorch_default
 from .study import default_study_name, finished, get_storage, open_study, question, records, result_from_study, \
     running
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 from ..config import CPConfig
 from ..errors import CPTuneError, Problem, ValidationError
 from ..plan import Calibration, Point, Prediction, calibrate, dims_from_workload, for_device, predict
-from ..sizes import format_size
+from .._sizes import format_size
 from ..workload import Workload
 from .memory import PRUNE_FACTOR
 from .racing import INDIFFERENCE
-from .space import AC_MODES, all_configs, config_key
+from .._space import AC_MODES, config_key
+from .space import all_configs
 
 MIN_TRIALS = 3
 """Measured trials before the plan may skip anything (its error is a leave-one-out error: 3 at least)."""

@@ -8,8 +8,8 @@ from typing import Any
 import optuna
 
 from ..config import CPConfig
-from ..sizes import format_size
-from ..space import config_key
+from .._sizes import format_size
+from .._space import config_key
 from .memory import PRUNE_FACTOR
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sizes import format_size
+from .._sizes import format_size
 from ..workload import Workload
 from .racing import INDIFFERENCE, TIE_RULE, summary
 from .records import TrialRecord

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .._env import environment
 from ..errors import Problem, ValidationError, raise_if
-from ..sizes import parse_size
+from .._sizes import parse_size
 from ..workload import Workload
 from .driver import Progress, run_study
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 from ..config import CPConfig, decide_load_balance
-from ..space import ROTATE_METHODS, config_from, config_key, invalid_reason, mesh_shapes, strategies, \
-    usable_backends
+from .._space import AC_MODES, ROTATE_METHODS, configurations, mesh_shapes, strategies, usable_backends
 from ..workload import Workload
 
-AC_MODES = ("none", "selective", "full")
 
 @dataclass(frozen=True)
 class Axis:
@@ -46,16 +43,8 @@ def axes(workload: Workload, world_size: int, device_type: str) -> Axis:
 
 def all_configs(workload: Workload, world_size: int, device_type: str) -> list[CPConfig]:
     """Every distinct valid configuration (the exhaustive oracle's list)."""
-    seen, out = set(), []
-    ax = axes(workload, world_size, device_type)
-    names = list(ax.as_dict())
-    for point in itertools.product(*ax.as_dict().values()):
-        c = config_from(dict(zip(names, point)))
-        key = config_key(c)
-        if key not in seen and invalid_reason(workload, c, device_type) is None:
-            seen.add(key)
-            out.append(c)
-    return out
+    backends = usable_backends(device_type, workload.torch_dtype) or ["flash"]
+    return configurations(workload, world_size, tuple(backends), device_type)[0]
 
 
 def pytorch_default(workload: Workload, world_size: int, device_type: str) -> CPConfig:

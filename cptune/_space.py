@@ -7,7 +7,7 @@ import torch
 
 from .config import CPConfig, decide_load_balance
 from .attention import RING_BACKENDS, backend_problem
-from .workload import Workload
+from .workload import AC_MODES, Workload  # noqa: F401  (AC_MODES: the planner's and the search's name for it)
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -78,3 +78,31 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None
         return None
     why = backend_problem(device_type, config.sdpa_backend[0], workload.torch_dtype, ring=ring > 1)
     return f"sdpa_backend {config.sdpa_backend[0]}: {why}" if why else None
+
+
+def configurations(workload: Workload, world: int, backends: tuple[str, ...], device_type: str | None = None
+                   ) -> tuple[list[CPConfig], list[tuple[str, str]]]:
+    """Every distinct configuration of ``world`` ranks for ``workload`` over ``backends``: (the valid ones, in
+    mesh / strategy / rotate / backend / load-balance order, and (label, why) for the invalid ones). The one
+    enumeration the search's oracle and ``cptune plan`` both use; a hybrid whose Ulysses group does not split a
+    mesh's cp is not a configuration of that mesh (skipped, not listed as invalid)."""
+    seen: set[str] = set()
+    valid: list[CPConfig] = []
+    invalid: list[tuple[str, str]] = []
+    for dp, cp in mesh_shapes(world):
+        for strategy in strategies(world):
+            for rotate in ROTATE_METHODS:
+                for backend in backends:
+                    for lb in ((True, False) if workload.causal else (False,)):
+                        config = config_from({"mesh": f"{dp}x{cp}", "strategy": strategy, "rotate_method": rotate,
+                                              "sdpa_backend": backend, "load_balance": lb})
+                        key = config_key(config)
+                        if key in seen or config.degree_problems(cp):
+                            continue
+                        seen.add(key)
+                        reason = invalid_reason(workload, config, device_type)
+                        if reason is None:
+                            valid.append(config)
+                        else:
+                            invalid.append((config.label(), reason))
+    return valid, invalid
