@@ -44,7 +44,7 @@ from cptune.search import MeasureSettings, Workload, all_configs, config_key, py
 from cptune.search.measure import baseline_on_rank, measure_on_rank, summarize
 from cptune.config import CPConfig
 from cptune.search.memory import default_budget, predict_peak
-from cptune.search.run import DEFAULT_MARGIN
+from cptune._defaults import MEMORY_MARGIN
 from cptune._space import mesh_shapes
 
 from .overhead import overhead_on_rank
@@ -193,7 +193,7 @@ def main() -> None:
         baseline, oracle, startup_seconds = oracle_pass(workload, nproc)
         oracle_seconds = time.monotonic() - t0
         budget = default_budget("cpu", nproc)
-        margin = DEFAULT_MARGIN  # the search's: a config fits when peak x (1 + margin) <= budget
+        margin = MEMORY_MARGIN  # the search's: a config fits when peak x (1 + margin) <= budget
         if budget_rule == "between":  # between dp-only's peak and the leanest CP config's, margin included
             dp_peak = oracle[config_key(CPConfig(mesh_shape=(nproc, 1), sdpa_backend="flash"))]["peak_bytes"]
             cp_peak = min(r["peak_bytes"] for k, r in oracle.items() if "-cp1-" not in k)

@@ -7,6 +7,7 @@ import json
 import click
 
 from ._cli_types import COUNT, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE, InputFile, OneOf, OutputFile, Whole
+from ._defaults import BUDGET_FRACTION
 from .errors import Problem, ValidationError
 from .workload import AC_MODES
 
@@ -27,7 +28,7 @@ from .workload import AC_MODES
 @click.option("--gpu-benchmark", default=None, metavar="JSON", type=InputFile(),
               help="Calibrate the attention rate from `python -m benchmarks.gpu` results on this GPU type.")
 @click.option("--memory-budget", type=SIZE, default=None,
-              help="Per-GPU budget, e.g. 80GiB (default: the GPU's memory).")
+              help=f"Per-GPU budget, e.g. 70GiB (default: {BUDGET_FRACTION:.0%} of the GPU's memory).")
 @click.option("--dtype", type=OneOf(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC",
               help="Packed documents: 16, 'longtail', or lengths.")

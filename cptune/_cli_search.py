@@ -12,6 +12,7 @@ import click
 from ._console import progress, report_search
 from ._cli_types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, CheckedPath,
                          InputFile, Number, OneOf, OutputFile, Whole, in_flags)
+from ._defaults import BUDGET_FRACTION, MEMORY_MARGIN, TRIAL_TIMEOUT_S
 from .errors import CPTuneError
 from .workload import AC_MODES
 
@@ -69,15 +70,15 @@ def _leave(code: int) -> None:
 @click.option("--nproc", type=COUNT, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
 @click.option("--device", type=OneOf(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--memory-budget", type=SIZE, default=None, help="Per-rank budget with its unit, e.g. 70GiB or 512MiB "
-              "(default: 90% of a GPU, or of RAM/nproc).")
+              f"(default: {BUDGET_FRACTION:.0%} of a GPU, or of RAM/nproc).")
 @click.option("--memory-margin", type=Number(0, 1, below=True, fix="give a share in [0, 1), e.g. 0.05 for 5 %"),
-              default=0.05, show_default=True,
+              default=MEMORY_MARGIN, show_default=True,
               help="Safety share on top of each config's worst measured peak (allocator reserve, fragmentation).")
 @click.option("--storage", type=STORAGE, default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
 @click.option("--study-name", type=NAME, default=None, help="Default: derived from the workload and world size.")
 @click.option("--n-trials", type=COUNT, default=None, help="Trials to run now (default: until every config is done).")
 @click.option("--timeout", type=SECONDS, default=None, help="Stop starting trials after this many seconds.")
-@click.option("--trial-timeout", type=SECONDS, default=300.0, show_default=True,
+@click.option("--trial-timeout", type=SECONDS, default=TRIAL_TIMEOUT_S, show_default=True,
               help="Seconds before a trial is a hang.")
 @click.option("--sampler", type=OneOf(["auto", "grid", "tpe"]), default="auto", show_default=True)
 @click.option("--exhaustive", is_flag=True, help="Measure every config: the plan orders trials but skips none.")

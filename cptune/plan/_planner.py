@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._defaults import BUDGET_FRACTION
 from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
@@ -45,13 +46,16 @@ class Plan:
         return next((p for p in self.predictions if p.infeasible is None), None)
 
     def table(self, limit: int | None = None) -> str:
-        head = (f"{'#':>3}  {'config':<40} {'tokens/s/GPU':>12} {'step':>9} {'peak':>10} {'headroom':>8}  "
+        shown = self.predictions if limit is None else self.predictions[:limit]
+        width = max([40, *(len(p.point.label()) for p in shown)])
+        head = (f"{'#':>3}  {'config':<{width}} {'tokens/s/GPU':>12} {'step':>9} {'peak':>10} {'headroom':>8}  "
                 "bottleneck / why not")
         lines = [head, "-" * len(head)]
-        shown = self.predictions if limit is None else self.predictions[:limit]
         for i, p in enumerate(shown, 1):
+            if p.infeasible is not None and (i == 1 or shown[i - 2].infeasible is None):
+                lines.append(f"     predicted not to fit the budget of {format_size(self.budget)}:")
             room = (self.budget - p.peak_bytes) / self.budget
-            lines.append(f"{i:>3}  {p.point.label():<40} {p.tokens_per_s_per_gpu:>12,.0f} {p.step_s:>8.3f}s "
+            lines.append(f"{i:>3}  {p.point.label():<{width}} {p.tokens_per_s_per_gpu:>12,.0f} {p.step_s:>8.3f}s "
                          f"{format_size(p.peak_bytes):>10} {room:>8.0%}  {p.infeasible or p.bottleneck}")
         if limit is not None and len(self.predictions) > limit:
             lines.append(f"... {len(self.predictions) - limit} more (--all shows them)")
@@ -77,7 +81,7 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
          budget: int | None = None, ac_modes: tuple[str, ...] = AC_MODES,
          calibration: Calibration | None = None) -> Plan:
     """Predict every configuration of ``gpus`` GPUs (``gpus_per_node`` per node) for ``dims`` on ``workload``'s
-    sequences; ranked by predicted tokens/s per GPU, those that fit ``budget`` (default: the GPU's memory) first."""
+    sequences; ranked by predicted tokens/s per GPU, those that fit ``budget`` (default: :data:`~cptune._defaults.BUDGET_FRACTION` of the GPU's memory) first."""
     problems = []
     if gpus < 1:
         problems.append(Problem("gpus", f"is {gpus}", "give the number of GPUs, e.g. 64"))
@@ -88,7 +92,7 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     if bad:
         problems.append(Problem("ac", f"{', '.join(bad)} not among {', '.join(AC_MODES)}", "use auto or one of them"))
     raise_if(problems)
-    budget = hardware.memory_bytes if budget is None else budget
+    budget = int(BUDGET_FRACTION * hardware.memory_bytes) if budget is None else budget
     calibration = calibration or Calibration()
     valid, invalid = points(workload, gpus, ac_modes)
     if not valid:

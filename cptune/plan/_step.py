@@ -82,6 +82,29 @@ class Prediction:
         return d
 
 
+# -- memory rules the search's memory model (cptune/search/memory.py) uses too --------------------------------
+
+def prefetches(config: CPConfig, workload: Workload) -> bool:
+    """Whether the ring sends the next K/V block during this one's: the point-to-point rotation, and cptune's
+    masked ring (documents or a window) with either rotate method."""
+    return config.rotate_method == "alltoall" or workload.documents is not None or workload.window is not None
+
+
+def ring_buffer_bytes(block: float, ring: int, prefetched: bool) -> float:
+    """What the ring's rotation holds, ``block`` being one ring step's K and V: PyTorch's all-gather every ring
+    rank's block and the next; a prefetching rotation three in flight."""
+    if ring == 1:
+        return 0.0
+    return block * (3 if prefetched else ring + 1)
+
+
+def kept_attention_layer(q_bytes: float, ring: int, exchanged: float) -> float:
+    """What autograd keeps of an attention-only layer, ``q_bytes`` one (B, H, S/cp, D) tensor: its input,
+    output and residual sum, and under the ring the float32 merged output and log-sum-exp (calibrated on CPU,
+    float32); ``exchanged``: Ulysses' head-sharded q, k, v and out."""
+    return (3.5 if ring == 1 else 5.5) * q_bytes + exchanged
+
+
 @functools.lru_cache(maxsize=32)
 def _work(seq_len: int, documents: str | None, causal: bool, window: int | None) -> torch.Tensor:
     ids = documents_from_lengths(lengths_from_spec(documents, seq_len)) if documents else None
@@ -131,7 +154,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     block = 2 * b * (dims.kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e  # one ring step's K and V
     exchanged = (2 * hq + 2 * kv * rep) * e if ulysses > 1 else 0  # per token: what Ulysses swaps (q, k, v, out)
     # the point-to-point rotation, and cptune's masked ring with either one, send the next block during this one's
-    prefetched = c.rotate_method == "alltoall" or w.documents is not None or w.window is not None
+    prefetched = prefetches(c, w)
     links = _Links(hw, gpus_per_node)
     gemm_rate = hw.flops(gemm_dtype or w.dtype) * eff.gemm
     attn_rate = hw.flops(w.dtype) * eff.attention
@@ -197,7 +220,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     lse = dims.heads * 4
     ring_extra = hq * 4 + lse if ring > 1 else 0
     if dims.attention_only:
-        full_layer = (3.5 if ring == 1 else 5.5) * hq * e + exchanged
+        full_layer = kept_attention_layer(hq * e, ring, exchanged)
         kept = {"none": full_layer, "selective": full_layer, "full": hq * e}[point.ac]
     else:
         # what autograd keeps of a Llama-style block: two norms (input, normalized, output: 3h each), q and k
@@ -212,8 +235,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     q_local = tokens * hq
     kv_local = tokens * kv * rep
     temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
-    if ring > 1:  # PyTorch's all-gather holds every ring rank's block; a rotation, three in flight
-        temps += int(block * (3 if prefetched else ring + 1))
+    temps += int(ring_buffer_bytes(block, ring, prefetched))
     temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
     memory = {"baseline": hw.baseline_bytes, "parameters": 4 * p // shards, "gradients": 4 * p // shards,
               "optimizer": (8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),

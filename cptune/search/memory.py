@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from .._defaults import BUDGET_FRACTION
 from .._env import total_device_memory
 from ..attention import kv_replication
 from ..config import CPConfig
+from ..plan._step import kept_attention_layer, prefetches, ring_buffer_bytes
 from ..workload import Workload
 
 PRUNE_FACTOR = 1.5
 """Configs predicted above PRUNE_FACTOR x budget are recorded infeasible without running."""
 
-def default_budget(device_type: str, nproc_per_node: int, fraction: float = 0.9) -> int:
+def default_budget(device_type: str, nproc_per_node: int, fraction: float = BUDGET_FRACTION) -> int:
     """A fraction of one GPU's memory, or of this machine's RAM shared by its local ranks."""
     total = total_device_memory(device_type)
     return int(fraction * total if device_type == "cuda" else fraction * total / max(1, nproc_per_node))
@@ -47,14 +49,11 @@ def predict_peak(workload: Workload, config: CPConfig, baseline: int = 0) -> int
         ring = 0
     else:
         kv_block = 2 * kv * e  # key and value travel with their own head count
-        rotate = ring_degree * kv_block + kv_block if config.rotate_method == "allgather" else 3 * kv_block
+        rotate = ring_buffer_bytes(kv_block, ring_degree, prefetches(config, w))
         merge = 2 * q * f32 + 2 * w.batch * w.heads * local * f32
         grads = (3 * q + 2 * 2 * kv) * f32  # fp32 dq, dk, dv and the dk/dv block in flight
         ring = rotate + max(merge, grads)
-    # Each further layer keeps its input, output and residual sum (and, under the ring, its
-    # float32 merged output and log-sum-exp; under Ulysses, the head-sharded q, k, v and out)
-    # for backward: calibrated on CPU, float32.
-    per_layer = (3.5 if ring_degree == 1 else 5.5) * q * e + swapped
+    per_layer = kept_attention_layer(q * e, ring_degree, swapped)  # each further layer, kept for backward
     return int(baseline + held + ring + (w.layers - 1) * per_layer)
 
 

@@ -10,6 +10,7 @@ import optuna
 import torch
 import torch.distributed as dist
 
+from .._defaults import MEMORY_MARGIN, TRIAL_TIMEOUT_S
 from .._env import environment
 from ..errors import Problem, ValidationError, raise_if
 from .._sizes import parse_size
@@ -25,8 +26,6 @@ from .settings import MeasureSettings, SearchSettings
 from ..models import attention_shape, load_config, training_problems
 from .steps import load_user_step
 
-DEFAULT_MARGIN = 0.05
-"""A config is feasible when its worst measured peak plus this share fits the budget."""
 
 
 def _option_problems(n_trials, timeout, trial_timeout, margin, nproc) -> list[Problem]:
@@ -37,7 +36,7 @@ def _option_problems(n_trials, timeout, trial_timeout, margin, nproc) -> list[Pr
         problems.append(Problem("timeout", f"is {timeout}", "give a positive number of seconds, or leave it out"))
     if not trial_timeout > 0:
         problems.append(Problem("trial_timeout", f"is {trial_timeout}", "give a positive number of seconds "
-                                "(default 300)"))
+                                f"(default {TRIAL_TIMEOUT_S:.0f})"))
     if not 0 <= margin < 1:
         problems.append(Problem("memory_margin", f"is {margin}", "give a share in [0, 1), e.g. 0.05 for 5 %"))
     if nproc is not None and nproc < 1:
@@ -74,12 +73,12 @@ def search(
     seq_lens: Sequence[int] | None = None,
     nproc: int | None = None,
     memory_budget: str | int | None = None,
-    memory_margin: float = DEFAULT_MARGIN,
+    memory_margin: float = MEMORY_MARGIN,
     storage: None | str | optuna.storages.BaseStorage = None,
     study_name: str | None = None,
     n_trials: int | None = None,
     timeout: float | None = None,
-    trial_timeout: float = 300.0,
+    trial_timeout: float = TRIAL_TIMEOUT_S,
     sampler: str = "auto",
     seed: int | None = 0,
     settings: MeasureSettings | None = None,
@@ -187,4 +186,4 @@ def search(
     return results if seq_lens else results[0]
 
 
-__all__ = ["search", "DEFAULT_MARGIN"]
+__all__ = ["search"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
+from .._defaults import MEMORY_MARGIN, TRIAL_TIMEOUT_S
 from ..config import StrictModel
 
 
@@ -30,11 +31,11 @@ class SearchSettings:
     """
 
     budget: int
-    margin: float = 0.0
+    margin: float = MEMORY_MARGIN
     measure: MeasureSettings = field(default_factory=MeasureSettings)
     n_trials: int | None = None
     timeout: float | None = None
-    trial_timeout: float = 300.0
+    trial_timeout: float = TRIAL_TIMEOUT_S
     sampler: str = "auto"
     seed: int | None = 0
     confirm: bool = True

@@ -23,6 +23,7 @@ from .memory import PRUNE_FACTOR
 from .records import INTERRUPTED, TrialRecord, record_from
 from .result import SearchResult
 from .settings import MeasureSettings
+from .._defaults import MEMORY_MARGIN
 from .space import pytorch_default
 
 DEFAULT_STORAGE = "sqlite:///cptune.db"
@@ -73,7 +74,7 @@ def default_study_name(workload: Workload, world_size: int, device_type: str, se
 
 
 def open_study(storage, name: str, asked: dict[str, Any], world: int, device: str, budget: int,
-               seed: int | None, margin: float = 0.0) -> optuna.Study:
+               seed: int | None, margin: float = MEMORY_MARGIN) -> optuna.Study:
     """Create or resume study ``name`` for the question ``asked``; another question's study is refused."""
     # Exhaustive search enqueues every open configuration in turn; TPE (with the memory
     # constraint) proposes the rest when the space is large.
