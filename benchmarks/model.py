@@ -47,7 +47,7 @@ LENGTHS = (1024, 8192)
 
 def _search(seq_len: int, budget: int | str, storage: str) -> cptune.SearchResult:
     workload = cptune.models.model_workload(MODEL, OVERRIDES, seq_len=seq_len, documents="longtail")
-    return cptune.search(workload, nproc=2, memory_budget=budget, storage=storage, trial_timeout=1200,
+    return cptune.tune(workload, nproc=2, memory_budget=budget, storage=storage, trial_timeout=1200,
                          settings=MeasureSettings(min_seconds=1.0))
 
 

@@ -38,6 +38,8 @@ import torch
 
 import cptune
 import cptune.plan as P
+from cptune.plan._dims import dims_from_workload
+from cptune.plan._step import busiest_pairs
 from cptune.search import MeasureSettings
 
 STEP = "examples.train_llama_cp:search_step"
@@ -86,7 +88,7 @@ def _grid_rows(result: cptune.SearchResult, storage: str) -> tuple[list, int]:
 
 
 def _predict_rows(rows, workload: cptune.Workload, hw: P.Hardware, nproc: int) -> list[P.Prediction]:
-    dims = P.dims_from_workload(workload)
+    dims = dims_from_workload(workload)
     out = []
     for r in rows:
         w = workload.model_copy(update={"ac": r.ac})
@@ -125,7 +127,7 @@ def here(nproc: int, work: Path) -> dict:
     for run in range(2):  # the grid twice: how well it agrees with itself bounds any prediction's agreement
         started = time.monotonic()
         store = f"sqlite:///{work}/grid-{nproc}-{run}.db"
-        result = cptune.search(workload, nproc=nproc, storage=store, confirm=False, exhaustive=True, sampler="grid",
+        result = cptune.tune(workload, nproc=nproc, storage=store, confirm=False, exhaustive=True, sampler="grid",
                                settings=SETTINGS, trial_timeout=900)  # the space's own order: not the plan's
         grid_s.append(time.monotonic() - started)
         grids.append((result, store))
@@ -141,7 +143,7 @@ def here(nproc: int, work: Path) -> dict:
     hw = hw.model_copy(update={"baseline": baseline or hw.baseline_bytes})
     preds = _predict_rows(rows, workload, hw, nproc)
     started = time.monotonic()
-    guided = cptune.search(workload, nproc=nproc, storage=f"sqlite:///{work}/guided-{nproc}.db",
+    guided = cptune.tune(workload, nproc=nproc, storage=f"sqlite:///{work}/guided-{nproc}.db",
                            settings=SETTINGS, trial_timeout=900)  # as users run it: screening, then a race
     guided_s = time.monotonic() - started
     measured = {r.key: r.tokens_per_s for r in rows}
@@ -192,7 +194,7 @@ def ring_flash() -> dict:
         w = cptune.Workload(seq_len=8 * 8192, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
         config = cptune.CPConfig(mesh_shape=(1, 8), rotate_method="alltoall", load_balance=impl == "zigzag_ring")
         p = P.predict(dims, w, P.Point(config, "none", sync="none"), profiles[gpus], 8, optimizer=False)
-        ideal = p.time["attention"] * P.busiest_pairs(w, 1, False) / 8 / P.busiest_pairs(w, 8, config.load_balance)
+        ideal = p.time["attention"] * busiest_pairs(w, 1, False) / 8 / busiest_pairs(w, 8, config.load_balance)
         predicted = ideal / (p.time["attention"] + p.time["ring_merge"] + p.exposed_s)
         rows.append({"gpus": gpus, "impl": impl, "published": published, "predicted": predicted,
                      "error": predicted / published - 1})

@@ -161,7 +161,7 @@ def run_search(workload: Workload, budget: int, storage: str, name: str,
     def progress(record, done, total):
         finished.append((config_key(record.config), record.tokens_per_s, record.state, time.monotonic() - start))
 
-    result = cptune.search(workload, nproc=nproc, memory_budget=budget, storage=storage,
+    result = cptune.tune(workload, nproc=nproc, memory_budget=budget, storage=storage,
                            study_name=name, settings=SETTINGS, progress=progress)
     return result, finished
 

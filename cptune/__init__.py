@@ -15,7 +15,9 @@ Main API:
   windows (``context_parallel(documents=..., window=...)``), at the cost of the attended pairs.
 - ``cptune.hf.enable(model)``: transformers models under CP; ``cptune.models``: a transformers model from
   its config, prepared for training (AC, compile, FSDP2) as ``cptune search --model`` measures it.
-- :func:`search`: measure configurations on real ranks, return the fastest that fits in memory.
+- :func:`tune`: measure configurations on real ranks, return the fastest that fits in memory (``cptune.search``
+  is its subpackage: settings, results, storage; calling it is the deprecated spelling of ``tune``).
+- :func:`init_rank` / :func:`close_rank`: the start and end of a training process under python or torchrun.
 - :func:`load_recipe` / :class:`Recipe`: the search's result as a torchrun recipe file.
 - :class:`CPTuneError` / :class:`ValidationError`: everything cptune raises on purpose.
 """
@@ -32,8 +34,11 @@ from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, scaled_dot_product_attention, \
     unshard
 from .errors import CPTuneError, Problem, ValidationError
+from ._rank import close_rank, init_rank
 from .recipe import Recipe, load_recipe, save_recipe
-from .search import SearchResult, Workload, search
+from . import search  # the subpackage (calling it is the deprecated spelling of tune)
+from .search import SearchResult, Workload
+from .search import search as tune
 
 
 __all__ = [
@@ -47,11 +52,13 @@ __all__ = [
     "ULYSSES_OPS",
     "ValidationError",
     "Workload",
+    "close_rank",
     "context_parallel",
     "documents_from_cu_seqlens",
     "documents_from_eos",
     "documents_from_lengths",
     "documents_from_position_ids",
+    "init_rank",
     "load_recipe",
     "num_items_in_batch",
     "packed_labels_and_positions",
@@ -60,5 +67,6 @@ __all__ = [
     "scaled_dot_product_attention",
     "search",
     "shift_labels",
+    "tune",
     "unshard",
 ]

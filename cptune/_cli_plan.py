@@ -69,7 +69,7 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
         profile = P.from_gpu_benchmark(profile, gpu_benchmark, argument="gpu_benchmark")
     result = P.plan(shape, workload, profile, gpus, gpus_per_node,
                     parse_size(memory_budget) if memory_budget else None,
-                    P.AC_MODES if ac == "auto" else (ac,))
+                    AC_MODES if ac == "auto" else (ac,))
     if out:
         path = save_recipe(P.predicted_recipe(result, command_line()), out)
     if as_json:

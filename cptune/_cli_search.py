@@ -21,19 +21,19 @@ def _init_torchrun() -> tuple[bool, bool]:
     """Inside torchrun (RANK set): join its process group. Returns (whether this is rank 0, whether it joined)."""
     if "RANK" not in os.environ:
         return True, False
-    from .launch import init_rank
+    from ._rank import init_rank
 
     return init_rank()[2] == 0, True
 
 
 def _leave(code: int) -> None:
     """The end of a torchrun rank of ``cptune search``. Done: the process group closes in order
-    (:func:`~cptune.launch.close_rank`), then a normal exit. Stopped by a signal or an error: what the
+    (:func:`~cptune.close_rank`), then a normal exit. Stopped by a signal or an error: what the
     study needs is stored, and the group may hold work whose peers are gone, which a destroy would wait on
     for the group's timeout: the streams are flushed and the process leaves at once, without the
     interpreter's teardown (whose race with gloo's threads aborts a process)."""
     if code == 0:
-        from .launch import close_rank
+        from ._rank import close_rank
 
         close_rank()
         sys.exit(0)

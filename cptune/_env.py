@@ -35,7 +35,7 @@ def return_freed_memory() -> None:
     gathered parameters and gradients come from the heap, and what is freed there stays in the process
     (fragmented, not trimmed): the resident size, which is how a CPU rank's peak is measured, grows to
     hundreds of MiB above what the rank holds. Set once per process, by every search rank and training
-    process cptune starts (:func:`cptune.launch.init_rank`), so the search measures the memory the
+    process cptune starts (:func:`cptune.init_rank`), so the search measures the memory the
     training job will take."""
     import ctypes
 

@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._env import return_freed_memory
+from ._rank import close_rank, init_rank  # noqa: F401  (their home before 0.2; the harness's ranks use them)
 from .errors import CPTuneError
 
 
@@ -60,55 +61,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def init_rank() -> tuple[Any, int, int]:
-    """The start of a training process, under ``python`` or ``torchrun``: (device, world size, rank).
-
-    The device is LOCAL_RANK's GPU, else the CPU at one thread (ranks share the machine's cores);
-    under torchrun (RANK set) the process group is joined, nccl on GPUs, gloo on CPU. A process that
-    has joined one already keeps its settings.
-    """
-    import torch
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(1)
-            return_freed_memory()  # as the search's ranks do: their measured peak is this process's
-        if "RANK" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo")
-    return (device, dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (device, 1, 0)
-
-
-def close_rank() -> None:
-    """The end of a process that joined a process group (:func:`init_rank`, a torchrun job, a WorkerGroup
-    rank), once its last collective has returned: every mesh and group cptune built is released and the
-    process group destroyed, while the interpreter is alive. Without it a gloo worker thread can outlive
-    the interpreter's finalization and abort the process (exit by SIGABRT) after all its work was done.
-    A process that leaves on an error or a signal should not call it: its group may hold work whose
-    peers are gone (see the CLI's ``_leave``).
-
-    Call it after the work's own function has returned, so that its model and meshes are gone. A group
-    something still holds after that (torch itself keeps the default group of an FSDP2 model's training
-    referenced from C++) is kept to the very end of the process instead: never freed during the
-    interpreter's teardown, its threads stay idle until the process exits."""
-    import torch.distributed as dist
-
-    from . import _torch_cp
-    from ._session import release_groups
-
-    groups = _torch_cp.registered_groups()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    release_groups()  # cptune's references dropped, then collected: the groups are freed now
-    for group in (ref() for ref in groups):
-        if group is not None:
-            _torch_cp.keep_to_the_end(group)
 
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,

@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 
 import cptune
-import cptune.launch
 from cptune import models
 
 
@@ -168,7 +167,7 @@ def main() -> None:
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
-    device, world, rank = cptune.launch.init_rank()  # under torchrun: the process group joined
+    device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
 
     recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
     recipe = cptune.load_recipe(recipe_path) if recipe_path else None
@@ -261,4 +260,4 @@ if __name__ == "__main__":
         main()
     except cptune.CPTuneError as exc:  # what the user gave (a model, weights, an export folder): the named error
         raise SystemExit(str(exc)) from None
-    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
+    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

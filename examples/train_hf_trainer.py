@@ -28,7 +28,6 @@ import torch
 
 import cptune
 import cptune.hf
-import cptune.launch
 from cptune import models
 
 
@@ -97,7 +96,7 @@ def main() -> None:
     if "RANK" in os.environ and args.fsdp:  # sharded as it is built: no rank holds the whole model
         from torch.distributed.device_mesh import init_device_mesh
 
-        device, world, _ = cptune.launch.init_rank()
+        device, world, _ = cptune.init_rank()
         fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
     model = models.build_model(config, device if fsdp_mesh is not None else "cpu", fsdp_mesh=fsdp_mesh)
     dataset = Documents(64, config.get_text_config().vocab_size, args.unpacked)
@@ -131,4 +130,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
+    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

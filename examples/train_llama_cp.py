@@ -38,7 +38,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cptune
-import cptune.launch
 
 
 class RMSNorm(nn.Module):
@@ -185,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ
-    device, world, rank = cptune.launch.init_rank()  # under torchrun: the process group joined
+    device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
 
     recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
     recipe = cptune.load_recipe(recipe_path) if recipe_path else None
@@ -248,4 +247,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
+    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

@@ -24,7 +24,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cptune
-import cptune.launch
 
 
 class EncoderBlock(nn.Module):
@@ -125,4 +124,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    cptune.launch.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
+    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

@@ -297,14 +297,14 @@ def test_library_errors_name_python_arguments_and_only_the_cli_says_flags():
     with pytest.raises(cptune.ValidationError, match=r"cptune: hardware: 'no-such-gpu' is neither"):
         load_hardware("no-such-gpu")
     with pytest.raises(cptune.ValidationError, match=r"n_trials: is 0"):
-        cptune.search(cptune.Workload(seq_len=256), n_trials=0)
+        cptune.tune(cptune.Workload(seq_len=256), n_trials=0)
 
 
 def _search_with_nproc_inside_a_job():
     import cptune
 
     try:
-        cptune.search(cptune.Workload(seq_len=256), nproc=4)
+        cptune.tune(cptune.Workload(seq_len=256), nproc=4)
     except cptune.ValidationError as exc:
         return str(exc)
     return "accepted"

@@ -129,14 +129,14 @@ def test_signal_during_a_trial_records_it_interrupted_and_resume_measures_it(tmp
     timer.start()
     started = time.monotonic()
     with pytest.raises(SearchInterrupted) as info:
-        cptune.search(Workload(seq_len=1024), measure=slow_second_trial, **kw)
+        cptune.tune(Workload(seq_len=1024), measure=slow_second_trial, **kw)
     assert time.monotonic() - started < 40 and info.value.exit_code == 130  # stopped at once, not after 60 s
     study = optuna.load_study(study_name=info.value.study_name, storage=storage)
     stopped = [t for t in study.trials if t.user_attrs.get("reason") == "the search stopped during this trial"]
     assert [t.user_attrs["key"] for t in stopped] == ["dp1-cp2-alltoall-nolb-flash"]
     assert all(t.state.is_finished() for t in study.trials)
     monkeypatch.delenv("CPTUNE_TEST_SLOW")
-    resumed = cptune.search(Workload(seq_len=1024), measure=slow_second_trial, **kw)
+    resumed = cptune.tune(Workload(seq_len=1024), measure=slow_second_trial, **kw)
     assert resumed.complete and all(r.state == "ok" for r in resumed.trials)
     assert "dp1-cp2-alltoall-nolb-flash" in {config_key(r.config) for r in resumed.trials}
 

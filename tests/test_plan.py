@@ -13,6 +13,8 @@ from click.testing import CliRunner
 
 import cptune
 import cptune.plan as P
+from cptune.plan._calibrate import fold
+from cptune.plan._step import busiest_pairs
 from cptune.errors import ValidationError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,11 +127,11 @@ def test_the_step_model_follows_the_physics():
     ring = cptune.CPConfig(mesh_shape=(1, 8), rotate_method="alltoall", load_balance=True)
     unbalanced = ring.model_copy(update={"load_balance": False})
     w = cptune.Workload(seq_len=8192, heads=8, head_dim=64)
-    total = P.busiest_pairs(w, 1, False)
-    assert P.busiest_pairs(w, 4, True) == pytest.approx(total / 4, rel=1e-3)
-    assert P.busiest_pairs(w, 4, False) == pytest.approx(total * 7 / 16, rel=1e-2)  # the last shard's
+    total = busiest_pairs(w, 1, False)
+    assert busiest_pairs(w, 4, True) == pytest.approx(total / 4, rel=1e-3)
+    assert busiest_pairs(w, 4, False) == pytest.approx(total * 7 / 16, rel=1e-2)  # the last shard's
     packed = w.model_copy(update={"documents": "16"})
-    assert P.busiest_pairs(packed, 1, False) == pytest.approx(total / 16, rel=0.01)
+    assert busiest_pairs(packed, 1, False) == pytest.approx(total / 16, rel=0.01)
     # load balancing shortens the step; checkpointing trades time for memory
     assert _predict(ring).step_s < _predict(unbalanced).step_s
     none, selective, full = (_predict(ring, ac) for ac in ("none", "selective", "full"))
@@ -189,7 +191,7 @@ def test_calibration_recovers_the_factors_and_reports_its_error():
     assert cal.error < 0.01 and cal.memory_error < 0.01
     few = P.calibrate(preds[:2], steps[:2])
     assert few.fitted == ("compute",) and few.error is None  # no held-out trial to judge it by
-    folded = P.fold(hw, cal, "a test")
+    folded = fold(hw, cal, "a test")
     assert folded.efficiency.gemm == pytest.approx(hw.efficiency.gemm / 2.0, rel=0.01)
     assert "a test: compute x2.00" in folded.calibrated_by[-1]
 

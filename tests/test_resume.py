@@ -16,11 +16,11 @@ FAST = MeasureSettings(warmup=0, min_repeats=1, min_seconds=0)
 
 def test_tight_budget_then_relaxed_runs_what_now_fits(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
-    tight = cptune.search(Workload(seq_len=512, heads=2, head_dim=16), nproc=2, storage=storage,
+    tight = cptune.tune(Workload(seq_len=512, heads=2, head_dim=16), nproc=2, storage=storage,
                           memory_budget="1KiB", settings=FAST)
     assert tight.best is None and all(r.peak_bytes is None for r in tight.trials)  # none ran
     assert all("> 1.5 x budget 1.00KiB; not run" in r.reason for r in tight.trials)
-    relaxed = cptune.search(Workload(seq_len=512, heads=2, head_dim=16), nproc=2, storage=storage,
+    relaxed = cptune.tune(Workload(seq_len=512, heads=2, head_dim=16), nproc=2, storage=storage,
                             memory_budget="8GiB", settings=FAST, confirm=False, exhaustive=True)
     assert relaxed.study_name == tight.study_name  # the same question: the study is resumed
     assert relaxed.evaluated_now == 6 and relaxed.best is not None  # the pruned configs now run
@@ -30,10 +30,10 @@ def test_tight_budget_then_relaxed_runs_what_now_fits(tmp_path):
 def test_measured_trials_are_rejudged_against_todays_budget(study_env):  # noqa: F811
     storage, log = study_env
     kw = dict(nproc=2, storage=storage, measure=fake_measure, settings=MeasureSettings(min_seconds=0), exhaustive=True)
-    first = cptune.search(Workload(seq_len=1024), memory_budget="2GiB", **kw)
+    first = cptune.tune(Workload(seq_len=1024), memory_budget="2GiB", **kw)
     assert first.best.config.label() == "dp1·cp2 alltoall lb flash"  # dp2 (3 GiB) is over 2 GiB
     measured = log.read_text().split()
-    second = cptune.search(Workload(seq_len=1024), memory_budget="8GiB", **kw)
+    second = cptune.tune(Workload(seq_len=1024), memory_budget="8GiB", **kw)
     assert second.evaluated_now == 0 and log.read_text().split() == measured  # nothing measured again
     assert second.best.config.label() == "dp2·cp1 flash"  # the fastest, now within budget
     assert "2.00GiB" not in second.table()  # no reason left over from the old budget
@@ -44,12 +44,12 @@ def test_margin_and_headroom(study_env):  # noqa: F811
     kw = dict(nproc=2, storage=storage, measure=fake_measure, settings=MeasureSettings(min_seconds=0), exhaustive=True)
     # dp1-cp2-alltoall-lb peaks at 1 GiB plus a fresh rank's memory (P): a budget of 1.03 P fits it
     # exactly, but not with a 5 % margin on top
-    one = cptune.search(Workload(seq_len=1024), memory_budget="8GiB", memory_margin=0.0, **kw)
+    one = cptune.tune(Workload(seq_len=1024), memory_budget="8GiB", memory_margin=0.0, **kw)
     peak = next(r for r in one.trials if config_key(r.config) == "dp1-cp2-alltoall-lb-flash").peak_bytes
-    tight = cptune.search(Workload(seq_len=1024), memory_budget=int(peak * 1.03), memory_margin=0.05, **kw)
+    tight = cptune.tune(Workload(seq_len=1024), memory_budget=int(peak * 1.03), memory_margin=0.05, **kw)
     rec = next(r for r in tight.trials if config_key(r.config) == "dp1-cp2-alltoall-lb-flash")
     assert rec.state == "infeasible" and "+ 5% margin" in rec.reason
-    loose = cptune.search(Workload(seq_len=1024), memory_budget=int(peak * 1.03), memory_margin=0.0, **kw)
+    loose = cptune.tune(Workload(seq_len=1024), memory_budget=int(peak * 1.03), memory_margin=0.0, **kw)
     rec = next(r for r in loose.trials if config_key(r.config) == "dp1-cp2-alltoall-lb-flash")
     assert rec.state == "ok" and 0.02 < rec.headroom < 0.04
     assert "headroom" in loose.table().splitlines()[0]
@@ -59,7 +59,7 @@ def test_margin_and_headroom(study_env):  # noqa: F811
 
 def test_another_layer_count_is_another_study(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
-    runs = [cptune.search(Workload(seq_len=256, heads=2, head_dim=16, layers=n), nproc=2, storage=storage,
+    runs = [cptune.tune(Workload(seq_len=256, heads=2, head_dim=16, layers=n), nproc=2, storage=storage,
                           n_trials=1, settings=FAST, confirm=False) for n in (2, 3)]
     assert runs[0].study_name != runs[1].study_name and "-L2-" in runs[0].study_name
     assert [r.evaluated_now for r in runs] == [1, 1]
@@ -78,12 +78,12 @@ def test_study_names_cover_settings_and_environment():
 
 def test_explicit_study_from_another_environment_is_refused(study_env):  # noqa: F811
     storage, _ = study_env
-    cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, study_name="mine", n_trials=1,
+    cptune.tune(Workload(seq_len=1024), nproc=2, storage=storage, study_name="mine", n_trials=1,
                   memory_budget="2GiB", measure=fake_measure, settings=MeasureSettings(min_seconds=0))
     study = optuna.load_study(study_name="mine", storage=storage)
     study.set_user_attr("environment", {**study.user_attrs["environment"], "torch": "2.99.0"})
     with pytest.raises(cptune.ValidationError, match=r"another question \(torch '2.99.0' -> "):
-        cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, study_name="mine", measure=fake_measure,
+        cptune.tune(Workload(seq_len=1024), nproc=2, storage=storage, study_name="mine", measure=fake_measure,
                       memory_budget="2GiB", settings=MeasureSettings(min_seconds=0))
 
 

@@ -102,7 +102,7 @@ def study_env(tmp_path, monkeypatch):
 
 def _search(storage, **kw):
     kw.setdefault("memory_budget", "2GiB")
-    return cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=fake_measure,
+    return cptune.tune(Workload(seq_len=1024), nproc=2, storage=storage, measure=fake_measure,
                          settings=MeasureSettings(min_seconds=0), exhaustive=True, **kw)  # every config: no plan skips
 
 
@@ -142,7 +142,7 @@ def test_survives_a_failing_a_killed_and_a_hanging_trial(study_env, monkeypatch)
 
 def test_invalid_configs_are_never_run(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=6, heads=3), nproc=2, storage=storage, measure=fake_measure,
+    result = cptune.tune(Workload(seq_len=6, heads=3), nproc=2, storage=storage, measure=fake_measure,
                            memory_budget="2GiB", settings=MeasureSettings(min_seconds=0), exhaustive=True)
     # Each valid config once: their steps do not vary, so no range overlaps the leader's (no race).
     assert sorted(log.read_text().split()) == ["dp1-cp2-allgather-nolb-flash", "dp1-cp2-alltoall-nolb-flash",
@@ -155,7 +155,7 @@ def test_invalid_configs_are_never_run(study_env):
 
 def test_predicted_far_over_budget_is_not_run(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=2**22), nproc=2, storage=storage, measure=fake_measure,
+    result = cptune.tune(Workload(seq_len=2**22), nproc=2, storage=storage, measure=fake_measure,
                            memory_budget="64MiB", settings=MeasureSettings(min_seconds=0))
     assert not log.exists()
     assert result.best is None and all(r.state == "infeasible" and "not run" in r.reason for r in result.trials)
@@ -166,11 +166,11 @@ def test_study_for_another_workload_is_refused(study_env):
     storage, _ = study_env
     _search(storage, n_trials=1, study_name="shared")
     with pytest.raises(cptune.ValidationError, match=r"another question \(seq_len 1024 -> 2048; .*give a new name"):
-        cptune.search(Workload(seq_len=2048), nproc=2, storage=storage, study_name="shared", measure=fake_measure)
+        cptune.tune(Workload(seq_len=2048), nproc=2, storage=storage, study_name="shared", measure=fake_measure)
 
 
 def _spmd_search(storage):
-    return cptune.search(Workload(seq_len=1024), storage=storage, memory_budget="2GiB", measure=fake_measure,
+    return cptune.tune(Workload(seq_len=1024), storage=storage, memory_budget="2GiB", measure=fake_measure,
                          settings=MeasureSettings(min_seconds=0))
 
 
@@ -183,7 +183,7 @@ def test_inside_torchrun_rank0_drives(ranks, tmp_path):
 def test_real_search_on_a_user_step(tmp_path):
     """--workload: the search measures the user's own model step (the Llama example's), for real."""
     workload = Workload(seq_len=128, heads=4, kv_heads=2, head_dim=16, step="examples.train_llama_cp:search_step")
-    result = cptune.search(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'user.db'}", memory_budget="8GiB",
+    result = cptune.tune(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'user.db'}", memory_budget="8GiB",
                            settings=MeasureSettings(warmup=0, min_repeats=1, min_seconds=0), exhaustive=True)
     assert result.complete and len(result.trials) == 6
     assert all(r.state == "ok" and r.tokens_per_s > 0 and r.predicted_bytes is None for r in result.trials), \
@@ -194,7 +194,7 @@ def test_real_search_on_a_user_step(tmp_path):
 def test_real_search_measures_compiled_checkpointed_steps(tmp_path):
     """--compile --ac selective: the proxy runs as training will; compile time is kept apart."""
     workload = Workload(seq_len=256, heads=2, head_dim=16, layers=2, compile=True, ac="selective")
-    result = cptune.search(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'c.db'}", memory_budget="8GiB",
+    result = cptune.tune(workload, nproc=2, storage=f"sqlite:///{tmp_path / 'c.db'}", memory_budget="8GiB",
                            settings=MeasureSettings(warmup=1, min_repeats=2, min_seconds=0), confirm=False,
                            exhaustive=True)  # every config measured: none skipped by plan
     assert result.complete and "compiled-acselective" in result.study_name
@@ -257,7 +257,7 @@ def noisy_measure(workload, config, settings):
 
 def test_racing_measures_only_contenders_and_declares_a_tie(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=noisy_measure, exhaustive=True,
+    result = cptune.tune(Workload(seq_len=1024), nproc=2, storage=storage, measure=noisy_measure, exhaustive=True,
                            memory_budget="4GiB", settings=MeasureSettings(min_seconds=2.0))
     runs = [line.split() for line in log.read_text().splitlines()]
     assert all(float(sec) == 0.5 for _, sec, _ in runs)  # screening and race rounds: a quarter of min_seconds
@@ -293,7 +293,7 @@ def close_measure(workload, config, settings):
 
 def test_few_steps_are_not_trusted_closer_than_the_noise_floor(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=close_measure, exhaustive=True,
+    result = cptune.tune(Workload(seq_len=1024), nproc=2, storage=storage, measure=close_measure, exhaustive=True,
                            memory_budget="4GiB", settings=MeasureSettings(min_seconds=0))
     runs = log.read_text().split()
     # 2 steps each with no spread, yet 8 % apart is inside the few-steps floor: both race. Paired,
@@ -317,7 +317,7 @@ def settle_measure(workload, config, settings):
 
 def test_the_race_stops_when_more_rounds_cannot_change_the_choice_by_more_than_3_percent(study_env):
     storage, log = study_env
-    result = cptune.search(Workload(seq_len=1024), nproc=2, storage=storage, measure=settle_measure, exhaustive=True,
+    result = cptune.tune(Workload(seq_len=1024), nproc=2, storage=storage, measure=settle_measure, exhaustive=True,
                            memory_budget="4GiB", settings=MeasureSettings(min_seconds=0))
     a2a, ag = "dp1-cp2-alltoall-lb-flash", "dp1-cp2-allgather-lb-flash"
     # allgather-lb at 0.952: inside round 2's 7.1 % margin (so not out), yet it cannot beat the pick
@@ -344,7 +344,7 @@ def test_several_lengths_on_the_same_ranks(study_env, ranks):
     # holds (the search adds that baseline to every trial's rise): a CUDA build's ranks hold more than a CPU one's.
     base = max(ranks(2).run(baseline_on_rank, [(1, 2)]))
     budget = f"{(base + 0.75 * GiB) / 2**20:.0f}MiB"
-    results = cptune.search(Workload(seq_len=1024), seq_lens=[1024, 4096], nproc=2, storage=storage,
+    results = cptune.tune(Workload(seq_len=1024), seq_lens=[1024, 4096], nproc=2, storage=storage,
                             measure=schedule_measure, memory_budget=budget, settings=MeasureSettings(min_seconds=0))
     assert [r.workload.seq_len for r in results] == [1024, 4096]
     assert len({r.study_name for r in results}) == 2  # one study per length
@@ -391,3 +391,11 @@ def test_a_search_on_packed_documents_measures_packed_work_and_the_recipe_says_s
                                                  if k not in ("documents", "window", "model", "model_overrides")}
     with pytest.raises(cptune.ValidationError, match="documents: 16 equal documents do not divide 500"):
         Workload(seq_len=500, documents="16")
+
+
+def test_cptune_search_is_the_subpackage_and_calling_it_still_searches_with_a_deprecation():
+    import cptune.search as s
+
+    assert s.MeasureSettings is MeasureSettings and cptune.search.search is cptune.tune
+    with pytest.warns(DeprecationWarning, match=r"cptune\.tune"), pytest.raises(cptune.ValidationError, match="n_trials"):
+        cptune.search(Workload(seq_len=256), n_trials=0)  # the old spelling: the same checks, then the same search

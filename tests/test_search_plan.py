@@ -51,7 +51,7 @@ def test_the_skip_rule_needs_measurements_and_stays_beyond_the_error():
 def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path):
     storage = f"sqlite:///{tmp_path}/plan.db"
     w = cptune.Workload(**AC_AUTO)
-    first = cptune.search(w, nproc=2, storage=storage, confirm=False, settings=QUICK)
+    first = cptune.tune(w, nproc=2, storage=storage, confirm=False, settings=QUICK)
     assert first.complete and len(first.trials) == 18  # 6 configurations x 3 AC modes, every one answered
     skipped = [r for r in first.trials if r.state == "skipped"]
     measured = [r for r in first.trials if r.state == "ok"]
@@ -69,7 +69,7 @@ def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path):
     assert recipe.workload.ac == first.best.ac  # the recipe trains with the checkpointing that won
 
     rerun = min(3, len(skipped))  # enough to show it; the rest would run the same way
-    second = cptune.search(w, nproc=2, storage=storage, confirm=False, settings=QUICK, exhaustive=True, n_trials=rerun)
+    second = cptune.tune(w, nproc=2, storage=storage, confirm=False, settings=QUICK, exhaustive=True, n_trials=rerun)
     assert second.study_name == first.study_name
     assert second.evaluated_now == rerun  # only what the plan skipped is measured now
     states = {r.key: r for r in second.trials}

@@ -95,7 +95,7 @@ def test_bad_models_are_refused_by_name_before_any_rank_starts(tmp_path):
     assert cptune.models.parse_overrides(["num_hidden_layers=1", "rope_theta=1e6", "name=x"]) == \
         {"num_hidden_layers": 1, "rope_theta": 1e6, "name": "x"}
     with pytest.raises(cptune.ValidationError, match=r"differs from --model .*heads=8 \(the model's: 4\).*model_workload"):
-        cptune.search(cptune.Workload(model=str(MODEL), seq_len=64), nproc=2, storage=f"sqlite:///{tmp_path}/s.db")
+        cptune.tune(cptune.Workload(model=str(MODEL), seq_len=64), nproc=2, storage=f"sqlite:///{tmp_path}/s.db")
     from click.testing import CliRunner
 
     out = CliRunner().invoke(main, ["search", "--model", str(MODEL), "--heads", "4", "--seq-len", "64"])

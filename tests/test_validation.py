@@ -113,7 +113,7 @@ def test_a_search_from_stdin_says_why_the_ranks_cannot_start(tmp_path):
     import sys
 
     code = ("import cptune\nfrom cptune.search import Workload\n"
-            "cptune.search(Workload(seq_len=256, heads=2, head_dim=16), nproc=2, storage='sqlite:///s.db')\n")
+            "cptune.tune(Workload(seq_len=256, heads=2, head_dim=16), nproc=2, storage='sqlite:///s.db')\n")
     run = subprocess.run([sys.executable, "-"], input=code, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     last = run.stderr.strip().splitlines()[-1]

@@ -85,7 +85,7 @@ _SUBGROUPS: dict[tuple, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def release_groups() -> None:
-    """Forget the hybrid groups built so far (:func:`cptune.launch.close_rank`)."""
+    """Forget the hybrid groups built so far (:func:`cptune.close_rank`)."""
     _SUBGROUPS.clear()
 
 

@@ -11,15 +11,13 @@ The step model (:func:`predict`) imports nothing from the search; the search imp
 trials and skip those the calibrated model rules out (:mod:`cptune.search.guide`).
 """
 
-from ._calibrate import Calibration, calibrate, fold, from_gpu_benchmark
-from ._dims import ModelDims, dims_from_config, dims_from_values, dims_from_workload
-from ._hardware import Hardware, for_device, load_hardware, profile_names
-from ._planner import AC_MODES, Plan, plan, plan_workload, points, predicted_recipe
+from ._calibrate import Calibration, calibrate, from_gpu_benchmark
+from ._dims import ModelDims, dims_from_config, dims_from_values
+from ._hardware import Hardware, load_hardware, profile_names
+from ._planner import Plan, plan, plan_workload, predicted_recipe
 from ._probe import probe
-from ._step import Point, Prediction, busiest_pairs, predict
+from ._step import Point, Prediction, predict
 
-__all__ = ["AC_MODES", "Calibration", "Hardware", "ModelDims", "Plan", "Point", "Prediction", "busiest_pairs",
-           "calibrate", "dims_from_config", "dims_from_values", "dims_from_workload", "fold", "for_device",
-           "from_gpu_benchmark",
-           "load_hardware", "plan", "plan_workload", "points", "predict", "predicted_recipe", "probe",
-           "profile_names"]
+__all__ = ["Calibration", "Hardware", "ModelDims", "Plan", "Point", "Prediction", "calibrate", "dims_from_config",
+           "dims_from_values", "from_gpu_benchmark", "load_hardware", "plan", "plan_workload", "predict",
+           "predicted_recipe", "probe", "profile_names"]

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from ..config import CPConfig
 from ..errors import CPTuneError, Problem, ValidationError
-from ..plan import Calibration, Point, Prediction, calibrate, dims_from_workload, for_device, predict
+from ..plan import Calibration, Point, Prediction, calibrate, predict
+from ..plan._dims import dims_from_workload
+from ..plan._hardware import for_device
 from .._sizes import format_size
 from ..workload import Workload
 from .memory import PRUNE_FACTOR
