@@ -95,7 +95,7 @@ def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> Non
     Overrides change the recipe for this run only (it is then marked unmeasured); other options
     go to torchrun; after --, a first argument ending in .py is the script, the rest its arguments.
     """
-    from .recipe import ENV_VAR, load_recipe, save_recipe
+    from .recipe import ENV_VAR, load_recipe, save_recipe, script_problem
 
     after = click.get_current_context().meta.get("after_dashes", [])
     overrides = [x for x in extra if "=" in x and not x.startswith("-")]
@@ -111,9 +111,9 @@ def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> Non
     argv = patched.torchrun_args(script, args, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                                  torchrun_options=options)
     script = script or patched.launch.script
-    if not Path(script).is_file():
-        raise ValidationError([Problem("script", f"{script!r} does not exist",
-                                       "give the path of the training script after --")])
+    problem = script_problem(script)
+    if problem is not None:
+        raise ValidationError([problem])
     recipe_abs = str(Path(recipe_path).resolve())
     if overrides:
         click.echo(f"cptune launch: {patched.metrics.note}", err=True)

@@ -36,12 +36,40 @@ class Launch(StrictModel):
     rdzv_backend: str = Field("c10d", json_schema_extra={"fix": "use rdzv_backend: c10d"})
     rdzv_endpoint: str = Field("HOST:29500", json_schema_extra={
         "fix": "set launch.rdzv_endpoint to node 0's HOST:PORT (or pass --rdzv-endpoint)"})
-    script: str | None = Field(None, json_schema_extra={"fix": "set launch.script to the training script's path"})
+    script: str | None = Field(None, json_schema_extra={
+        "fix": "set launch.script to the training script's path, or to a module (cptune.examples.train_llama_cp)"})
+    """A script's path (``train.py``), or a module torchrun runs as ``python -m`` would (``cptune.examples.train_hf``)."""
     args: list[str] = Field(default_factory=list, json_schema_extra={"fix": "give launch.args as a list of strings"})
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+
+def is_module(script: str) -> bool:
+    """Whether ``script`` names a module (``pkg.mod``: run as ``python -m``) rather than a file."""
+    return not script.endswith(".py") and all(part.isidentifier() for part in script.split("."))
+
+
+def script_problem(script: str) -> Problem | None:
+    """Why ``script`` cannot be launched from here (no such file, or no such module), or None."""
+    if is_module(script):
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(script) is not None
+        except ImportError:  # its package is missing
+            found = False
+        return None if found else Problem("script", f"{script!r} is no module this Python can import",
+                                          "install the package that has it, or give a script's path after --")
+    if not Path(script).is_file():
+        return Problem("script", f"{script!r} does not exist", "give the path of the training script after --")
+    return None
+
+
+def script_argv(script: str) -> list[str]:
+    """How torchrun is told to run ``script``: its path, or ``-m`` and the module."""
+    return ["-m", script] if is_module(script) else [script]
 
 
 class Provenance(StrictModel):
@@ -120,7 +148,7 @@ class Recipe(StrictModel):
                      f"--rdzv-endpoint={endpoint}", "--rdzv-id=cptune"]
             if node_rank is not None:
                 argv.append(f"--node-rank={node_rank}")
-        argv += [f"--nproc-per-node={launch.nproc_per_node}", *torchrun_options, script,
+        argv += [f"--nproc-per-node={launch.nproc_per_node}", *torchrun_options, *script_argv(script),
                  *(launch.args if args is None else args)]
         return argv
 
@@ -306,7 +334,7 @@ def command_line() -> str:
     return f"the same torchrun command (torchrun ... {'-m ' if line.startswith('cptune ') else ''}{line})"
 
 
-MODEL_SCRIPT = "examples/train_hf.py"
+MODEL_SCRIPT = "cptune.examples.train_hf"
 """What a --model recipe launches unless told otherwise: it trains the recipe's model on its data settings."""
 
 

@@ -1,0 +1,250 @@
+"""Train a small Llama-style decoder with context parallelism, configured by a cptune recipe.
+
+    python examples/train_llama_cp.py                                   # one process, the reference
+    cptune launch recipes/cpu-2r-s4096-causal.yaml -- --compile --ac selective --fsdp
+    CPTUNE_RECIPE=recipes/cpu-2r-s4096-causal.yaml torchrun --standalone --nnodes=1 --nproc-per-node=2 \
+        examples/train_llama_cp.py --compile --ac selective --fsdp
+
+The model below is plain PyTorch (RMSNorm, rotary positions, causal SDPA with grouped-query
+attention, SwiGLU) and knows nothing of distribution. ``parallelize`` applies, in
+torchtitan's order: context parallelism (nothing to do to the model: the training step runs
+inside ``cptune.context_parallel``), activation checkpointing per block (``--ac full`` or
+``selective``, which keeps the ring attention's output instead of recomputing it), then
+``torch.compile`` per block (``--compile``), then FSDP2 over the flattened dp x cp mesh
+(``--fsdp``; without it gradients are averaged by hand). Labels are shifted over the whole
+sequence before sharding (``cptune.shift_labels``) and the loss is normalized over every
+rank's tokens (``cptune.num_items_in_batch``), so with the same seed and global batch every
+step's loss equals the single-process run's (float32: within 1e-5; ``--losses-out`` writes
+them to compare).
+
+Packed documents (``--documents 8``, or the recipe's): each sequence holds several documents,
+positions restart at each, no target crosses a boundary, and attention keeps to each document
+(``documents=`` in the block). To tune on this model instead of the attention proxy:
+    cptune search --workload examples.train_llama_cp:search_step --seq-len 1024 --nproc 2 [--documents 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import cptune
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of x (B, H, S, D) at the given positions (B, S)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = position_ids[:, None, :, None].float() * freqs
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w_gate, self.w_up = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(dim, 4 * dim, bias=False)
+        self.w_down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.wkv(h).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q, position_ids), rotary(k, position_ids)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        x = x + self.wo(att.transpose(1, 2).reshape(b, s, -1))
+        h = self.mlp_norm(x)
+        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads) for _ in range(layers))
+        self.norm, self.head = RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, position_ids)
+        return self.head(self.norm(x))
+
+
+def loss_fn(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the mean next-token loss; ``labels`` come from cptune.shift_labels."""
+    logits = model(input_ids, position_ids)
+    summed = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return summed / cptune.num_items_in_batch(labels)
+
+
+def _keep_matmuls_and_ring(ctx, op, *args, **kwargs):
+    keep = op in cptune.RING_ATTENTION_OPS or op == torch.ops.aten.mm.default
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def parallelize(model: Llama, ac: str, compile_blocks: bool, fsdp_mesh=None) -> Llama:
+    """Activation checkpointing, then torch.compile, then FSDP2, per block (torchtitan's order)."""
+    for i, block in enumerate(model.blocks):
+        if ac == "full":
+            block = checkpoint_wrapper(block)
+        elif ac == "selective":
+            block = checkpoint_wrapper(block, context_fn=functools.partial(
+                create_selective_checkpoint_contexts, _keep_matmuls_and_ring))
+        if compile_blocks:
+            block = torch.compile(block)
+        model.blocks[i] = block
+    if fsdp_mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+    return model
+
+
+def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.device,
+               documents: torch.Tensor | None = None):
+    """Synthetic sequences with structure to learn: token t+1 = (token t * 3 + 1) % vocab, with noise.
+
+    Returns input ids, next-token labels (shifted over the whole sequence, before any
+    sharding) and positions. With ``documents`` (ids per token, (1, S)), several documents are
+    packed in each sequence: positions restart at each one and its last token has no target.
+    """
+    gen = torch.Generator().manual_seed(1000 + step)
+    tokens = [torch.randint(0, vocab, (batch, 1), generator=gen)]
+    for _ in range(seq_len - 1):
+        tokens.append((tokens[-1] * 3 + 1) % vocab)
+    seq = torch.cat(tokens, dim=1)
+    noise = torch.rand(seq.shape, generator=gen) < 0.1
+    seq = torch.where(noise, torch.randint(0, vocab, seq.shape, generator=gen), seq)
+    labels, positions = cptune.packed_labels_and_positions(seq, documents)
+    return seq.to(device), labels.to(device), positions.to(device)
+
+
+def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2):
+    """For ``cptune search --workload examples.train_llama_cp:search_step``: this model's step
+    (``layers`` deep, as this script trains it), with the trial's activation checkpointing and compile."""
+    torch.manual_seed(0)
+    model = Llama(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads,
+                  dim=workload.heads * workload.head_dim, layers=layers).to(device)
+    model = parallelize(model, workload.ac, workload.compile)  # as the search measures this trial
+    input_ids, labels, positions = make_batch(0, workload.batch, workload.seq_len, 256, device,
+                                              workload.document_ids())  # the search passes the block the same
+
+    def step(input_ids, labels, position_ids):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, input_ids, labels, position_ids).backward()
+
+    return step, [input_ids, labels, positions], [1, 1, 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default=None, help="Recipe file (default: $CPTUNE_RECIPE, else no CP)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seq-len", type=int, default=None, help="Default: the recipe's, else 1024")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="Global batch, split over dp replicas (default: as the recipe was measured, else 2)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--losses-out", default=None, help="Write the per-step losses here (JSON)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile each block (default: as the recipe was measured, else off)")
+    parser.add_argument("--ac", choices=["none", "full", "selective"], default=None,
+                        help="Activation checkpointing per block; selective keeps matmuls and the ring attention "
+                             "(default: as the recipe was measured, else none)")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the flattened dp x cp mesh")
+    parser.add_argument("--documents", default=None, metavar="SPEC",
+                        help="Pack documents per sequence: 8 (equal), longtail, or lengths (default: the recipe's)")
+    args = parser.parse_args()
+
+    distributed = "RANK" in os.environ
+    device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
+
+    recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
+    recipe = cptune.load_recipe(recipe_path) if recipe_path else None
+    config = recipe.config if recipe else cptune.CPConfig()
+    seq_len = args.seq_len or (recipe.workload.seq_len if recipe else 1024)
+    if args.compile is None:  # run as the recipe was measured
+        args.compile = bool(recipe and recipe.workload.compile)
+    if args.ac is None:
+        args.ac = recipe.workload.ac if recipe else "none"
+    if args.documents is None and recipe:
+        args.documents = recipe.workload.documents
+    documents = cptune.Workload(seq_len=seq_len, documents=args.documents).document_ids()
+    dp, cp = config.resolve_mesh_shape(world)
+    if args.batch is None:  # as measured: the recipe's batch per replica
+        args.batch = dp * recipe.workload.batch if recipe else 2
+    rows = cptune.replica_rows(args.batch, config=config)  # this replica's share of the global batch
+
+    mesh = fsdp_mesh = None
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        if args.fsdp:
+            fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    torch.manual_seed(0)  # the same initial weights everywhere
+    model = parallelize(Llama().to(device), args.ac, args.compile, fsdp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    @cptune.context_parallel(seq_dims={"input_ids": 1, "labels": 1, "position_ids": 1}, recipe=recipe,
+                             mesh=mesh if cp > 1 else None, documents="documents")
+    def train_step(input_ids, labels, position_ids, documents=None):
+        loss = loss_fn(model, input_ids, labels, position_ids)
+        loss.backward()  # inside the CP step: checkpointed blocks recompute with the ring
+        return loss.detach()
+
+    losses = []
+    for step in range(args.steps):
+        input_ids, labels, positions = make_batch(step, args.batch, seq_len, 256, device, documents)
+        optimizer.zero_grad(set_to_none=True)
+        loss = train_step(input_ids[rows], labels[rows], positions[rows], documents)
+        if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean
+            dist.all_reduce(loss)
+            if not args.fsdp:  # FSDP averages gradients itself; by hand: sum, then divide (gloo has no AVG)
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            loss /= world
+        optimizer.step()
+        losses.append(loss.item())
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.6f}", flush=True)
+    if rank == 0:
+        extras = f"compile={args.compile} ac={args.ac} fsdp={args.fsdp} documents={args.documents}"
+        print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, config: {config.label()}, {extras}")
+        if args.losses_out:
+            with open(args.losses_out, "w") as f:
+                json.dump({"losses": losses, "world": world, "dp": dp, "cp": cp, "config": config.label(),
+                           "compile": args.compile, "ac": args.ac, "fsdp": args.fsdp}, f)
+
+
+if __name__ == "__main__":
+    main()
+    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

@@ -1,0 +1,127 @@
+"""Non-causal context parallelism over image-patch tokens: a small ViT-style denoiser.
+
+    python examples/vit_noncausal.py                                          # one process
+    torchrun --standalone --nnodes=1 --nproc-per-node=2 examples/vit_noncausal.py
+
+A 256x256 image cut into 8x8 patches is a sequence of 1024 tokens; every patch attends to
+every other (non-causal SDPA). The model learns to remove noise from each patch, so the
+loss is a per-token mean and each rank can compute it on its own patches. The step is
+wrapped by ``cptune.context_parallel(..., causal=False)``, which shards the patches and their
+positions over the ranks; a recipe ($CPTUNE_RECIPE or --recipe) can choose the
+configuration. With the same seed, each step's loss equals the single-process run's
+(float32: within 1e-5; ``--losses-out`` writes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cptune
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v)  # non-causal: every patch sees every patch
+        x = x + self.proj(att.transpose(1, 2).reshape(b, n, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchDenoiser(nn.Module):
+    def __init__(self, patch_dim: int = 192, dim: int = 64, depth: int = 2, heads: int = 4, max_patches: int = 4096):
+        super().__init__()
+        self.embed, self.pos = nn.Linear(patch_dim, dim), nn.Embedding(max_patches, dim)
+        self.blocks = nn.ModuleList(EncoderBlock(dim, heads) for _ in range(depth))
+        self.out = nn.Linear(dim, patch_dim)
+
+    def forward(self, patches: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(patches) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def denoise_loss(model: nn.Module, noisy: torch.Tensor, clean: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(noisy, positions), clean)
+
+
+def make_images(step: int, batch: int, size: int, patch: int, device: torch.device):
+    """Smooth random images (sums of sinusoids), cut into patches: (B, N, 3*patch*patch)."""
+    gen = torch.Generator().manual_seed(500 + step)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
+    freq = torch.rand(batch, 3, 2, generator=gen) * 8
+    images = torch.sin(freq[..., 0, None, None] * xx * 6.28 + freq[..., 1, None, None] * yy * 6.28)
+    patches = images.unfold(2, patch, patch).unfold(3, patch, patch)  # B, 3, H/p, W/p, p, p
+    patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(batch, -1, 3 * patch * patch)
+    noisy = patches + 0.3 * torch.randn(patches.shape, generator=gen)
+    positions = torch.arange(patches.shape[1]).expand(batch, -1)
+    return noisy.to(device), patches.to(device), positions.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default=None)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--image-size", type=int, default=256)
+    parser.add_argument("--patch", type=int, default=8)
+    parser.add_argument("--losses-out", default=None)
+    args = parser.parse_args()
+
+    distributed = "RANK" in os.environ
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
+    recipe = cptune.load_recipe(recipe_path) if recipe_path else None
+    config = None if recipe else cptune.CPConfig()  # default: every rank does context parallelism
+
+    torch.manual_seed(0)
+    model = PatchDenoiser(patch_dim=3 * args.patch**2).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step_fn = cptune.context_parallel(seq_dims={"noisy": 1, "clean": 1, "positions": 1}, causal=False,
+                                      config=config, recipe=recipe)(denoise_loss)
+    losses = []
+    for step in range(args.steps):
+        noisy, clean, positions = make_images(step, 1, args.image_size, args.patch, device)
+        loss = step_fn(model, noisy, clean, positions)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        loss = loss.detach()
+        if distributed:  # equal patches per rank: the mean over ranks is the global mean
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            dist.all_reduce(loss)
+            loss /= world
+        optimizer.step()
+        losses.append(loss.item())
+        if rank == 0:
+            print(f"step {step} loss {loss.item():.6f} ({noisy.shape[1]} patch tokens, {world} rank(s))", flush=True)
+    if rank == 0 and args.losses_out:
+        with open(args.losses_out, "w") as f:
+            json.dump({"losses": losses, "world": world}, f)
+
+
+if __name__ == "__main__":
+    main()
+    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
