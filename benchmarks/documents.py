@@ -2,7 +2,7 @@
 
     python -m benchmarks.documents                  # S = 32768 and 65536 on 2 gloo ranks (~5 min on 2 cores)
     python -m benchmarks.documents --quick          # S = 8192 and 16384, for a look (~1 min)
-    python -m benchmarks.documents --update-readme  # also rewrite README.md's documents section
+    python -m benchmarks.documents --update-readme  # also rewrite its section of README.md or docs/ (documents)
 
 Each workload is one causal attention layer, forward + backward (the search's proxy step, H=4,
 D=16, float32, batch 1) on 2 ranks, ring alltoall with load balancing. Document layouts: 16 and

@@ -1,7 +1,7 @@
 """The model you train, searched and trained on real ranks: a small Llama from its config, two lengths.
 
     python -m benchmarks.model                   # 2 gloo ranks (~15 min on 2 cores)
-    python -m benchmarks.model --update-readme   # also rewrite README.md's model section
+    python -m benchmarks.model --update-readme   # also rewrite its section of README.md or docs/ (model)
 
 The model is ``tests/models/tiny-llama`` made larger with overrides (``OVERRIDES``: 4 layers,
 hidden 256, vocab 8192), so that at the longer length its dp-only step holds more than a CP step.
@@ -9,8 +9,8 @@ hidden 256, vocab 8192), so that at the longer length its dp-only step holds mor
    config's training step (FSDP2, AdamW, packed long-tailed documents).
 2. The budget is set halfway between the dp-only config's peak and the lowest CP peak there;
    both lengths are searched with it (the same studies: nothing is measured twice). Reported per
-   length: the choice, its headroom, and every config's measured peak (the analytic memory model
-   covers the attention proxy only, so there is no prediction for a model step).
+   length: the choice, its headroom, and every config's measured peak (the search predicts a model step
+   with the plan's step model, from the model's config; the proxy's analytic memory model does not apply).
 3. ``examples/train_hf.py`` runs 6 steps at the longer length under the tuned recipe and under
    PyTorch's default configuration (allgather, load balancing, cp = world), twice each in turn:
    median tokens/s of steps 2-6, the ratio tuned / default (above 1: the tuned recipe is faster).
@@ -111,8 +111,8 @@ def summary_lines(results: dict) -> list[str]:
             "run-to-run noise)" if t["tuned"] == t["default"] else ""
         lines += ["", f"`examples/train_hf.py` at S={results['rows'][-1]['seq_len']}, median tokens/s of steps 2-6 of "
                       f"two runs each, in turn: tuned ({t['tuned']}) / PyTorch's default ({t['default']}) = "
-                      f"{t['ratio']:.2f}{same}. The memory model covers the attention proxy only: there is no "
-                      "prediction for these steps."]
+                      f"{t['ratio']:.2f}{same}. The search predicted these steps with the plan's step model (from the "
+                      "model's config), not the proxy's memory model."]
     return lines
 
 

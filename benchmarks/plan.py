@@ -1,7 +1,7 @@
 """How well ``cptune plan`` predicts, here and against published figures, and what it saves a search.
 
     python -m benchmarks.plan                   # 2 and 4 gloo ranks (~20 min on 2 cores)
-    python -m benchmarks.plan --update-readme   # also rewrite README.md's plan section
+    python -m benchmarks.plan --update-readme   # also rewrite its section of README.md or docs/ (plan)
     python -m benchmarks.plan --from-results benchmarks/results/plan-DATE.json --update-readme
 
 1. This machine: ``cptune probe`` measures its rates on 2 (then 4) ranks; a grid search (every

@@ -245,14 +245,17 @@ def publish(kind: str, results: dict, lines: list[str], update_readme: bool) -> 
 
 
 def replace_readme_section(name: str, lines: list[str]) -> None:
-    """Rewrite README.md between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` with ``lines``."""
+    """Rewrite the page (README.md or one of docs/) between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``
+    with ``lines``; links into the repository are made relative to that page."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    readme = Path("README.md")
+    page = next((p for p in [Path("README.md"), *sorted(Path("docs").glob("*.md"))] if start in p.read_text()), None)
+    if page is None:
+        raise SystemExit(f"neither README.md nor docs/ has a {start} ... {end} section to rewrite")
     body = "\n".join([start, "", *lines, "", end])
-    text = readme.read_text()
-    if start not in text:
-        raise SystemExit(f"README.md has no {start} ... {end} section to rewrite")
-    readme.write_text(re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: body, text, flags=re.S))
+    if page.parent.name == "docs":
+        body = re.sub(r"\]\((benchmarks|recipes|examples|tests)/", r"](../\1/", body)
+    text = page.read_text()
+    page.write_text(re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: body, text, flags=re.S))
 
 
 def _update_readme(results: dict, rows: list[dict], out: Path) -> None:

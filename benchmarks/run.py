@@ -2,7 +2,7 @@
 
     python -m benchmarks.run                  # ~30 min on 2 cores; writes benchmarks/results/<date>/
     python -m benchmarks.run --quick          # a smaller set, for a look (~5 min)
-    python -m benchmarks.run --update-readme  # also rewrite README.md's Performance section
+    python -m benchmarks.run --update-readme  # also rewrite docs/benchmarks.md's Performance section
 
 For each workload (2 gloo ranks, 1 thread each; one workload on 4) it measures, in this one run:
 1. every valid configuration (the oracle: after the search, on fresh ranks, in 4 paired rounds,

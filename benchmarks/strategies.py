@@ -2,7 +2,7 @@
 
     python -m benchmarks.strategies                  # ~12 min on 2 cores (2 and 4 gloo ranks)
     python -m benchmarks.strategies --quick          # shorter sequences, for a look (~3 min)
-    python -m benchmarks.strategies --update-readme  # also rewrite README.md's strategies section
+    python -m benchmarks.strategies --update-readme  # also rewrite its section of README.md or docs/ (strategies)
     torchrun --nproc-per-node 8 -m benchmarks.strategies --device cuda   # the same sweep on a GPU node
 
 Each row is one workload (causal, fp32 on CPU / bf16 on GPU, forward + backward of the search's

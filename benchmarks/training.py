@@ -1,7 +1,7 @@
 """A training step under CP, side by side: PyTorch's own context_parallel, cptune eager, cptune compiled.
 
     python -m benchmarks.training                  # ~3 min on 2 cores; writes benchmarks/results/training-<date>.json
-    python -m benchmarks.training --update-readme  # also rewrite README.md's training-step section
+    python -m benchmarks.training --update-readme  # also rewrite its section of README.md or docs/ (training-step)
 
 The step is the Llama example's (examples/train_llama_cp.py: embedding, 2 blocks with RMSNorm,
 rotary positions, GQA attention and SwiGLU, LM head), forward + backward, on 2 gloo ranks x 1

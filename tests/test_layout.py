@@ -1,5 +1,5 @@
 """The package's map holds: modules of a readable size, no import cycle, one boundary to torch's private code,
-and the README's Layout section naming every module. Pure file reads: no torch process group."""
+and docs/internals.md's Layout naming every module. Pure file reads: no torch process group."""
 
 from __future__ import annotations
 
@@ -79,12 +79,12 @@ def test_the_attention_package_never_imports_what_uses_it():
     assert not any(d.startswith("cptune.attention") for d in _imports("cptune._torch_cp", MODULES["cptune._torch_cp"]))
 
 
-def test_readme_layout_names_every_module():
-    text = (ROOT / "README.md").read_text()
+def test_the_internals_page_names_every_module():
+    text = (ROOT / "docs" / "internals.md").read_text()
     layout = text[text.index("## Layout"):]
     missing = [m for m, p in MODULES.items() if p.name != "__init__.py" and p.name not in layout
                and f"`{p.stem}`" not in layout]
-    assert not missing, f"README's Layout section does not name {missing}"
+    assert not missing, f"docs/internals.md's Layout section does not name {missing}"
 
 
 def test_texts_follow_their_constants():

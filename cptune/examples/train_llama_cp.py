@@ -208,7 +208,7 @@ def main() -> None:
 
         mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
         if args.fsdp:
-            fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+            fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))  # every dp x cp rank
     torch.manual_seed(0)  # the same initial weights everywhere
     model = parallelize(Llama().to(device), args.ac, args.compile, fsdp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
