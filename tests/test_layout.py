@@ -102,3 +102,24 @@ def test_dependency_floors_agree_with_pyproject():
     stated = {name.lower(): version_tuple(floor) for name, floor in re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)"', block)}
     assert stated == {name: version_tuple(v) for name, v in FLOORS.items()}, \
         "pyproject.toml and cptune/_deps.py state different floors"
+
+
+def test_the_readme_is_short_and_every_page_link_resolves():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    assert readme.index("python -m pip install torch==2.13.0 -e '.[test]' && python -m pytest -q") < 2000
+    broken = [(page.name, link) for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+              for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text())
+              if not (page.parent / link).exists()]
+    assert not broken, broken
+
+
+def test_every_shipped_recipe_launches_a_module_the_package_ships():
+    """A wheel has no examples/ folder: a shipped recipe's script is one of cptune.examples, which it installs."""
+    import yaml
+
+    for path in (ROOT / "recipes").glob("*.yaml"):
+        script = yaml.safe_load(path.read_text())["launch"]["script"]
+        assert script.startswith("cptune.examples."), (path.name, script)
+        assert (ROOT / (script.replace(".", "/") + ".py")).is_file(), (path.name, script)
+    assert 'include = ["cptune*"]' in (ROOT / "pyproject.toml").read_text()  # cptune.examples goes into the wheel
