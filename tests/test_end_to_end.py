@@ -32,8 +32,9 @@ def test_search_writes_recipe_resumes_and_trains_like_one_process(tmp_path):
     run([sys.executable, "-m", "cptune", "launch", "recipes/e2e.yaml"], tmp_path)  # the recipe's script, as is
     run([sys.executable, "-m", "cptune", "launch", "recipes/e2e.yaml", "--",
          str(ROOT / "examples/train_llama_cp.py"), "--losses-out", "cp.json"], tmp_path)
-    run([sys.executable, str(ROOT / "examples/train_llama_cp.py"), "--seq-len", "512", "--losses-out", "one.json"],
-        tmp_path)
+    batch = recipe.config.mesh_shape[0] * recipe.workload.batch  # the global batch the recipe's run trains on
+    run([sys.executable, str(ROOT / "examples/train_llama_cp.py"), "--seq-len", "512", "--batch", str(batch),
+         "--losses-out", "one.json"], tmp_path)
     cp, one = json.loads((tmp_path / "cp.json").read_text()), json.loads((tmp_path / "one.json").read_text())
     assert cp["world"] == 2 and one["world"] == 1
     assert max(abs(a - b) for a, b in zip(cp["losses"], one["losses"])) <= 1e-5

@@ -69,7 +69,7 @@ def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
     w = recipe.workload
     assert (w.model, w.model_overrides, w.heads, w.kv_heads, w.head_dim, w.layers) == \
         (str(MODEL), {"num_hidden_layers": 1}, 4, 2, 16, 1)
-    assert recipe.launch.script == "examples/train_hf.py" and recipe.metrics.measured
+    assert recipe.launch.script == "cptune.examples.train_hf" and recipe.metrics.measured  # installed with cptune
     shown = run([sys.executable, "-m", "cptune", "show", "m.yaml"], tmp_path).stdout
     assert f"model run: {MODEL} with {{'num_hidden_layers': 1}}, 256 tokens x 1 per replica, 4," in shown
     # trained from the recipe (its model and overrides), unpacked and compiled here, against one process
