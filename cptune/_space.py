@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .config import CPConfig, decide_load_balance
+from .config import ROTATE_METHODS, CPConfig, decide_load_balance  # noqa: F401  (the search's axis)
 from .attention import RING_BACKENDS, backend_problem
 from .workload import AC_MODES, Workload  # noqa: F401  (AC_MODES: the planner's and the search's name for it)
 
-ROTATE_METHODS = ("allgather", "alltoall")
 
 
 def strategies(world_size: int) -> tuple[str, ...]:

@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .attention._kernels import SDPA_BACKENDS
 from .errors import Problem, ProblemError, ValidationError
 
-RotateMethod = Literal["allgather", "alltoall"]
+ROTATE_METHODS = ("allgather", "alltoall")
+"""How the ring passes key/value blocks (``config.rotate_method``): the one list."""
+RotateMethod = Literal[ROTATE_METHODS]  # type: ignore[valid-type]
 Strategy = Literal["ring", "ulysses", "hybrid"]
 SDPABackendName = Literal[SDPA_BACKENDS]  # type: ignore[valid-type]
 
