@@ -81,8 +81,7 @@ class _Session:
         self._stack = contextlib.ExitStack()
         self._restores: list[tuple[str, torch.Tensor, torch.Tensor, int]] = []
         self._originals: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, buffer, whole sequence)
-        self.setup = A.Setup(A.Layout(1, 1, False), self.backends)  # resolved when the block opens
-        self._route = A.Route(self.setup)
+        self._route = A.Route(A.Setup(A.Layout(1, 1, False), self.backends))  # its setup: resolved when the block opens
         self._record = A.ForwardRecord()  # the CP attention forwards since the last backward
 
     # -- setting up ------------------------------------------------------------------
@@ -242,20 +241,22 @@ class _Session:
         chunks = None
         if self.documents is not None and self.plan.load_balance and self.ring > 1:
             work = A.token_work(self.documents, self.plan.seq_len, self.causal, self.window)
-            found = A.work_chunks(work, self.ring)
-            chunks = found[0] if found is not None and found[0] != A.head_tail_chunks(self.ring) else None
+            found = A.work_chunks(work, self.ring)  # head-tail chunks lay out as chunks=None does
+            chunks = found[0] if found is not None else None
         layout = A.Layout(self.cp, self.ring, self.plan.load_balance, chunks)
-        self._set_setup(A.Setup(
+        self._route.setup = A.Setup(
             layout, self.backends, causal=self.causal, strategy=self.config.strategy,
             rotate_method=self.config.rotate_method, load_balance=self.plan.load_balance, seq_len=self.plan.seq_len,
             cp_rank=self.cp_rank, group=self.group, ulysses_group=self.ulysses_group, ring_group=self.ring_group,
             documents=self.documents, window=self.window, positions=A.ring_positions(layout, self.plan.seq_len),
-            grad_buffers=self._grad_buffers))
-
-    def _set_setup(self, setup: A.Setup) -> None:
-        self.setup = self._route.setup = setup
+            grad_buffers=self._grad_buffers)
 
     # -- inside the block --------------------------------------------------------------
+    @property
+    def setup(self) -> A.Setup:
+        """What the block's attention runs with (its route's: the routed calls and direct ones read one value)."""
+        return self._route.setup
+
     @property
     def layout(self) -> A.Layout:
         return self.setup.layout
@@ -266,7 +267,7 @@ class _Session:
         if self.documents is None:
             raise_if(A.document_problems(ids, self.plan.seq_len, None, source))
             self.documents = ids
-            self._set_setup(dataclasses.replace(self.setup, documents=ids))
+            self._route.setup = dataclasses.replace(self.setup, documents=ids)
         elif not _same_documents(self.documents, ids):
             raise_if([Problem(source, "describe other documents than the block's documents=",
                               "pass the same packing to both, or leave documents= out and let the model's "

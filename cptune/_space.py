@@ -3,12 +3,13 @@ space and ``cptune plan`` both enumerate (meshes, strategies and their splits), 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .config import ROTATE_METHODS, CPConfig, decide_load_balance  # noqa: F401  (the search's axis)
 from .attention import RING_BACKENDS, backend_problem
 from .workload import AC_MODES, Workload  # noqa: F401  (AC_MODES: the planner's and the search's name for it)
-
 
 
 def strategies(world_size: int) -> tuple[str, ...]:
@@ -88,20 +89,18 @@ def configurations(workload: Workload, world: int, backends: tuple[str, ...], de
     seen: set[str] = set()
     valid: list[CPConfig] = []
     invalid: list[tuple[str, str]] = []
-    for dp, cp in mesh_shapes(world):
-        for strategy in strategies(world):
-            for rotate in ROTATE_METHODS:
-                for backend in backends:
-                    for lb in ((True, False) if workload.causal else (False,)):
-                        config = config_from({"mesh": f"{dp}x{cp}", "strategy": strategy, "rotate_method": rotate,
-                                              "sdpa_backend": backend, "load_balance": lb})
-                        key = config_key(config)
-                        if key in seen or config.degree_problems(cp):
-                            continue
-                        seen.add(key)
-                        reason = invalid_reason(workload, config, device_type)
-                        if reason is None:
-                            valid.append(config)
-                        else:
-                            invalid.append((config.label(), reason))
+    balance = (True, False) if workload.causal else (False,)
+    for (dp, cp), strategy, rotate, backend, lb in itertools.product(mesh_shapes(world), strategies(world),
+                                                                     ROTATE_METHODS, backends, balance):
+        config = config_from({"mesh": f"{dp}x{cp}", "strategy": strategy, "rotate_method": rotate,
+                              "sdpa_backend": backend, "load_balance": lb})
+        key = config_key(config)
+        if key in seen or config.degree_problems(cp):
+            continue
+        seen.add(key)
+        reason = invalid_reason(workload, config, device_type)
+        if reason is None:
+            valid.append(config)
+        else:
+            invalid.append((config.label(), reason))
     return valid, invalid

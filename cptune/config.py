@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .attention._kernels import SDPA_BACKENDS
+from .attention import SDPA_BACKENDS
 from .errors import Problem, ProblemError, ValidationError
 
 ROTATE_METHODS = ("allgather", "alltoall")
