@@ -239,7 +239,7 @@ class _Session:
     def _resolve(self) -> None:
         """The block's attention setup, resolved once (the work-balanced layout of its documents included)."""
         chunks = None
-        if self.documents is not None and self.plan.load_balance and self.ring > 1:
+        if (self.documents is not None or self.window is not None) and self.plan.load_balance and self.ring > 1:
             work = A.token_work(self.documents, self.plan.seq_len, self.causal, self.window)
             found = A.work_chunks(work, self.ring)  # head-tail chunks lay out as chunks=None does
             chunks = found[0] if found is not None else None

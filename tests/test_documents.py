@@ -60,6 +60,48 @@ def test_the_planner_covers_every_attended_pair_exactly_once():
             assert all(t.mask is None or t.mask.shape[-1] * t.mask.shape[-2] <= _blocks.MAX_TILE ** 2 for t in tasks)
 
 
+def _random_layout(rng, ring, seq_len, work):
+    """In order, head-tail, dealt by work, or a random dealing of a finer grid."""
+    kind = rng.randrange(4)
+    if kind == 3:
+        grid = 4 * ring
+        order = list(range(grid))
+        rng.shuffle(order)
+        return Layout(ring, ring, True, tuple(tuple(sorted(order[r::ring])) for r in range(ring)))
+    if kind == 2:
+        found = _documents.work_chunks(work, ring)
+        return Layout(ring, ring, True, found[0] if found else None)
+    return Layout(ring, ring, kind == 1)
+
+
+def test_a_block_travels_exactly_where_some_query_attends_it():
+    """The send rule: ring rank s's block goes to rank d exactly when d's queries attend some key in it,
+    in some batch row, under every layout the block can deal."""
+    rng = random.Random(1)
+    for trial in range(150):
+        ring = rng.choice([2, 3, 4])
+        seq_len = 4 * ring * rng.choice([2, 4, 8])
+        rows = []
+        for _ in range(rng.choice([1, 2])):
+            lengths, left = [], seq_len
+            while left:
+                lengths.append(min(left, rng.choice([1, 3, 7, 16, 50])))
+                left -= lengths[-1]
+            rows.append(_documents.documents_from_lengths(lengths)[0])
+        docs = torch.stack(rows) if rng.random() < 0.8 else None
+        causal = rng.random() < 0.6
+        window = (rng.randint(0, 12), 0 if causal else rng.randint(0, 12)) if rng.random() < 0.6 else None
+        layout = _random_layout(rng, ring, seq_len, _documents.token_work(docs, seq_len, causal, window))
+        positions = torch.stack([layout.ring_positions(seq_len, r) for r in range(ring)])
+        need = _blocks.needs(positions, docs, len(rows), causal, window)
+        for d, src in itertools.product(range(ring), repeat=2):
+            qp, kp = positions[d], positions[src]
+            want = any(bool(_documents.visible(qp, kp, None if docs is None else ids[qp],
+                                               None if docs is None else ids[kp], causal, window).any())
+                       for ids in (docs if docs is not None else [None]))
+            assert need[d][src] == (want or d == src), (trial, layout, causal, window, d, src)
+
+
 def test_blocks_with_nothing_attended_call_no_kernel():
     docs = _documents.documents_from_lengths([8, 8, 8, 8])[0]  # 4 documents, 2 per rank in order
     layout = Layout(2, 2, False)
@@ -208,6 +250,50 @@ def _dense_mask_case(config_name, dtype_name):
 def test_a_dense_mask_under_the_ring(ranks, config_name, dtype_name):
     for err in ranks(2).run(_dense_mask_case, config_name, dtype_name):
         assert err <= FP32_TOL
+
+
+def _traffic_case(config_name, layout_name, window):
+    """One packed or windowed call on 4 ranks, forward + backward: exact, and the bytes each rank's ring sent
+    against what the send rule says it must send and against the full ring."""
+    from cptune.attention import _hooks
+
+    lengths = {"window": [64], "aligned": [16, 16, 16, 16], "spanning": [40, 24]}[layout_name]
+    docs = cptune.documents_from_lengths(lengths)
+    gen = torch.Generator().manual_seed(5)
+    qkv = [torch.randn(1, h, 64, 8, generator=gen) for h in (4, 2, 2)]
+    grad = torch.randn(1, 4, 64, 8, generator=gen)
+    ref = [t.clone().requires_grad_() for t in qkv]
+    ref_out = F.scaled_dot_product_attention(*ref, attn_mask=_documents.dense_mask(docs, window, True, 64),
+                                             enable_gqa=True)
+    (ref_out * grad).sum().backward()
+    leaves = [t.clone().requires_grad_() for t in qkv]
+    with cptune.context_parallel(buffers=[*leaves, grad], seq_dims=[2] * 4, config=cptune.CPConfig(
+            **CONFIGS[config_name]), causal=True, documents=docs, window=window, no_restore=[grad]) as cp, \
+            _hooks.counting() as traffic:
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        (cp.cp_size * (out * grad).sum()).backward()
+        full = cp.unshard(out, 2)
+        positions = cp._require().setup.positions
+    need, me, ring = _blocks.needs(positions, docs, 1, True, window), cp.cp_rank, positions.shape[0]
+    block = 2 * 2 * 16 * 8  # this rank's key and value elements
+    to, frm = sum(need[d][me] for d in range(ring) if d != me), sum(need[me][s] for s in range(ring) if s != me)
+    return {"err": max([max_err(full, ref_out)] + [max_err(a.grad, b.grad) for a, b in zip(leaves, ref)]),
+            "sent": traffic.sent, "rule": 4 * block * (2 * to + frm), "full": 4 * block * 3 * (ring - 1)}
+
+
+@pytest.mark.parametrize("config_name", ["ring-allgather", "ring-alltoall"])
+def test_the_ring_sends_only_attended_blocks_and_stays_exact(ranks, config_name):
+    """A window of S/8 on 4 ranks: a rank's queries reach one neighbour's block, so forward, the backward's
+    refetch and the gradients' return send a quarter of the full ring's bytes (rank 3's block goes nowhere, rank
+    0 gets none); documents aligned with the shards send nothing; a document across shards dealt by work is
+    attended everywhere, so every block travels, as many bytes as the rule says."""
+    cases = {("window", (8, 0)): 0.25, ("aligned", None): 0.0, ("spanning", None): 1.0}
+    for (layout_name, window), most in cases.items():
+        per_rank = ranks(4).run(_traffic_case, config_name, layout_name, window)
+        for r in per_rank:
+            assert r["err"] <= FP32_TOL and r["sent"] == r["rule"], (layout_name, r)
+        total = sum(r["sent"] for r in per_rank) / sum(r["full"] for r in per_rank)
+        assert total <= most and (total > 0) == (layout_name != "aligned"), (layout_name, total)
 
 
 def _balanced_case():

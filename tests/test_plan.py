@@ -14,7 +14,8 @@ from click.testing import CliRunner
 import cptune
 import cptune.plan as P
 from cptune.plan._calibrate import fold
-from cptune.plan._step import busiest_pairs
+from cptune.plan._step import busiest_pairs, ring_blocks
+from cptune.search.memory import predict_peak
 from cptune.errors import ValidationError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +122,26 @@ def test_dims_come_from_the_config_or_by_hand():
     by_hand = _run("plan", "--dims", "32,4096,32,8,14336,128256", "--seq-len", "32768", "--gpus", "8", "--json")
     assert by_hand.exit_code == 0, by_hand.stderr
     assert json.loads(by_hand.stdout)["model"]["layers"] == 32
+
+
+def test_the_step_model_counts_the_blocks_the_ring_really_sends():
+    """PyTorch's ring sends every block; cptune's masked ring only the attended ones (a causal window of S/16
+    on 4 ranks: one neighbour's), so the predicted ring time and the search's ring buffers shrink with them."""
+    w = cptune.Workload(seq_len=8192, heads=8, head_dim=64)
+    windowed, packed = w.model_copy(update={"window": 511}), w.model_copy(update={"documents": "16"})
+    assert ring_blocks(w, 4, True) == (3, 3)
+    assert ring_blocks(windowed, 4, True) == (1, 1)
+    assert ring_blocks(packed, 4, True) == (0, 0)  # 16 equal documents, 4 whole ones per rank in order
+    ring = cptune.CPConfig(mesh_shape=(1, 4), rotate_method="allgather", load_balance=True)
+    dims = P.ModelDims(layers=1, hidden=512, heads=8, kv_heads=8, head_dim=64, attention_only=True)
+    hw = P.load_hardware("h100")
+
+    def ring_s(workload):
+        return P.predict(dims, workload, P.Point(ring, "none", sync="none"), hw, 8, optimizer=False).time.get(
+            "comm_ring", 0.0)
+
+    assert ring_s(windowed) == pytest.approx(ring_s(w) / 3, rel=1e-6) and ring_s(packed) == 0.0
+    assert predict_peak(windowed, ring) < predict_peak(w.model_copy(update={"window": 4095}), ring)
 
 
 def test_the_step_model_follows_the_physics():

@@ -13,6 +13,7 @@ uses; the package is internal (the public ones are re-exported by ``cptune``).
 """
 
 from ._attend import RING_ATTENTION_OPS, Setup, attend, ring_positions
+from ._blocks import needs
 from ._documents import as_rows, check_window, dense_mask, document_problems, documents_from_cu_seqlens, \
     documents_from_eos, documents_from_lengths, documents_from_position_ids, lengths_from_spec, \
     packed_documents, read_spec, token_work, work_chunks
@@ -27,6 +28,6 @@ __all__ = [
     "SDPA_KERNELS", "Setup", "ULYSSES_OPS", "as_rows", "attend", "backend_problem", "check_window",
     "default_backends", "dense_mask", "document_problems", "documents_from_cu_seqlens", "documents_from_eos",
     "documents_from_lengths", "documents_from_position_ids", "gather", "hybrid_groups", "kv_replication",
-    "lengths_from_spec", "packed_documents", "patched_sdpa", "pick_backend", "read_spec", "recording",
+    "lengths_from_spec", "needs", "packed_documents", "patched_sdpa", "pick_backend", "read_spec", "recording",
     "release_groups", "ring_positions", "shard", "token_work", "unwrap", "work_chunks",
 ]

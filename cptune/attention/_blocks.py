@@ -13,6 +13,9 @@ attended set, which is decomposed into kernel calls (:class:`Task`):
 
 Pairs with nothing attended give no task at all: their kernel is never called. The dense mask,
 when given, is sliced at the tasks' positions and tiles it fully masks are dropped.
+
+:func:`needs` says the same per block: whether a rank's queries attend any key of another rank's
+block at all, so the ring sends a block only where it is attended.
 """
 
 from __future__ import annotations
@@ -156,6 +159,37 @@ def _with_dense(tasks: list[Task], q_pos: torch.Tensor, k_pos: torch.Tensor, den
                 if not bool(torch.isneginf(cut).all()):
                     out.append(Task(qa, qb, ka, kb, mask=None if not bool(cut.any()) else cut))
     return out
+
+
+def attends(q_pos: torch.Tensor, k_pos: torch.Tensor, docs: torch.Tensor | None, causal: bool,
+             window: Window | None) -> bool:
+    """Whether some query at ``q_pos`` attends some key at ``k_pos`` (one row group): exactly when :func:`plan`
+    without a dense mask gives a task. A run's queries see one unbroken stretch of keys (each query's interval
+    overlaps the next one's), so a pair of runs of one document is attended when that stretch meets the keys."""
+    left = window[0] if window is not None else math.inf
+    right = 0 if causal else (window[1] if window is not None else math.inf)
+    by_doc: dict[int, list[tuple[int, int]]] = {}
+    for ks, ke, kg, doc in runs(k_pos, docs):
+        by_doc.setdefault(doc, []).append((kg, kg + ke - ks - 1))
+    for qs, qe, qg, doc in runs(q_pos, docs):
+        lo, hi = qg - left, qg + qe - qs - 1 + right
+        if any(k0 <= hi and lo <= k1 for k0, k1 in by_doc.get(doc, ())):
+            return True
+    return False
+
+
+def needs(positions: torch.Tensor, docs: torch.Tensor | None, batch: int, causal: bool,
+          window: Window | None) -> tuple[tuple[bool, ...], ...]:
+    """``need[d][s]``: whether ring rank ``d``'s queries attend some key of ring rank ``s``'s block in some batch
+    row (``positions``: (R, L); ``docs``: (B or 1, S) or None). Every rank computes the same matrix without
+    communication. A dense mask only removes pairs, so it is not read: a block it masks fully still travels."""
+    ring = positions.shape[0]
+    need = [[False] * ring for _ in range(ring)]
+    for _, ids in row_groups(docs, batch):
+        for d in range(ring):
+            for s in range(ring):
+                need[d][s] = need[d][s] or d == s or attends(positions[d], positions[s], ids, causal, window)
+    return tuple(tuple(row) for row in need)
 
 
 def row_groups(docs: torch.Tensor | None, batch: int) -> list[tuple[list[int], torch.Tensor | None]]:

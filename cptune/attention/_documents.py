@@ -189,23 +189,37 @@ def imbalance(work: torch.Tensor, chunks: tuple[tuple[int, ...], ...], grid: int
     return max(loads) / mean if mean else 1.0
 
 
+IN_ORDER_SLACK = 1.05
+"""Under documents or a window, ranks keep the sequence in order (rank r the r-th stretch) while that is within
+this factor of the best dealing's balance: in order, a rank attends the fewest other ranks' blocks, so the ring
+sends the fewest (a window of S/16 on 4 ranks: one neighbour's, against two under head-tail)."""
+
+
+def in_order_chunks(ring: int) -> tuple[tuple[int, ...], ...]:
+    """Rank r holding the r-th of ``ring`` chunks: the layout without load balancing."""
+    return tuple((r,) for r in range(ring))
+
+
 def work_chunks(work: torch.Tensor, ring: int, by_work: bool = True) -> tuple[tuple[tuple[int, ...], ...], int] | None:
     """The load-balanced layout: (chunks each of ``ring`` ranks holds, the grid they index), or None when the
     sequence does not cut into 2 * ring chunks. ``work``: attended pairs per token (:func:`token_work`).
 
-    Head-tail unless ``by_work`` (documents or a window) and dealing the finest grid of 8, 4 or 2 chunks per
-    rank that divides the sequence, by work, balances it better. The one layout rule: the block deals tokens
-    by it, the planner predicts with it."""
+    Head-tail unless ``by_work`` (documents or a window). Then the finest grid of 8, 4 or 2 chunks per rank
+    that divides the sequence, dealt by work, when it balances better than head-tail; and the sequence in
+    order when that is within ``IN_ORDER_SLACK`` of the better of the two (it sends the fewest blocks). The one
+    layout rule: the block deals tokens by it, the planner predicts with it."""
     seq_len, head_tail = work.numel(), head_tail_chunks(ring)
     if seq_len % (2 * ring):
         return None
     if not by_work:
         return head_tail, 2 * ring
     grid = next(g for g in (8 * ring, 4 * ring, 2 * ring) if seq_len % g == 0)
-    chunks = balanced_chunks(work, ring, grid)
-    if imbalance(work, chunks, grid) >= imbalance(work, head_tail, 2 * ring):
-        return head_tail, 2 * ring
-    return chunks, grid
+    dealt = balanced_chunks(work, ring, grid)
+    best = (dealt, grid) if imbalance(work, dealt, grid) < imbalance(work, head_tail, 2 * ring) else \
+        (head_tail, 2 * ring)
+    if imbalance(work, in_order_chunks(ring), ring) <= IN_ORDER_SLACK * imbalance(work, *best):
+        return in_order_chunks(ring), ring
+    return best
 
 
 def lengths_from_spec(spec: str, seq_len: int) -> list[int]:

@@ -5,6 +5,8 @@ forward that runs under ``torch.utils.checkpoint`` will be recomputed in backwar
 run inside the block. The ops call :func:`notify_forward` from their own bodies, which run in eager
 and in compiled code alike, so every call is recorded. Data flows up as a record the block reads;
 nothing here calls the block.
+
+The masked ring also counts the bytes it sends (:func:`counting`), for benchmarks and tests to read.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .. import _torch_cp
@@ -29,6 +30,36 @@ class ForwardRecord:
 
 
 _RECORDS: list[ForwardRecord] = []
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank's masked ring sent to other ring ranks (key/value blocks and their gradients) while open."""
+
+    sent: int = 0
+
+
+_TRAFFIC: list[Traffic] = []
+
+
+def count_sent(nbytes: int) -> None:
+    for traffic in _TRAFFIC:
+        traffic.sent += nbytes
+
+
+def counting() -> contextlib.AbstractContextManager[Traffic]:
+    """The masked ring's bytes sent by this rank while the context is open."""
+    return _listed(_TRAFFIC, Traffic())
+
+
+@contextlib.contextmanager
+def _listed(listeners: list, item):
+    """``item`` in ``listeners`` while the context is open."""
+    listeners.append(item)
+    try:
+        yield item
+    finally:
+        listeners.remove(item)
 
 
 def under_checkpoint() -> bool:
@@ -56,12 +87,6 @@ def backward_ran() -> None:
         record.since_backward = record.checkpointed = False
 
 
-@contextlib.contextmanager
-def recording() -> Iterator[ForwardRecord]:
+def recording() -> contextlib.AbstractContextManager[ForwardRecord]:
     """A record of the CP attention forwards that run while the context is open."""
-    record = ForwardRecord()
-    _RECORDS.append(record)
-    try:
-        yield record
-    finally:
-        _RECORDS.remove(record)
+    return _listed(_RECORDS, ForwardRecord())

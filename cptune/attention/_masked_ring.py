@@ -3,15 +3,19 @@
 PyTorch's ring (``_templated_ring_attention``) takes no mask, so this is cptune's loop. Every
 rank knows every ring rank's token positions (``positions``, (R, L)) and the document ids of the
 whole sequence, so it plans each (its queries, a ring rank's keys) pair without communication
-(:mod:`._blocks`) and calls kernels only where something is attended; a ring step whose
-block attends nothing calls no kernel. Key/value blocks still travel (they are the ring):
+(:mod:`._blocks`) and calls kernels only where something is attended. It also knows which
+blocks each rank attends at all (:func:`._blocks.needs`), so a block travels only to the ranks
+whose queries attend some key in it, in both directions: a window or documents that keep ranks
+apart send nothing between them. Each owner sends its block straight to those ranks, one ring
+step at a time (step t: to ring rank r + t), and in backward each block's key/value gradients go
+straight back to its owner:
 
-* ``allgather``: every rank's key/value gathered at once, as PyTorch's allgather rotation;
-  backward sends each rank's key/value gradients back to their owner with one all-to-all.
-* ``alltoall``: blocks passed to the next ring rank step by step, the next block's transfer
-  overlapping the current block's kernels; in backward the key/value gradients travel with
-  their block and reach its owner after a full turn.
+* ``allgather``: every step's transfer starts at once, as PyTorch's allgather rotation gathers
+  every block; the gradients go back once all are computed.
+* ``alltoall``: the next step's transfer overlaps the current block's kernels; each block's
+  gradients go back while the next block is computed.
 
+A step in which no rank sends runs no collective (every rank computes the same matrix).
 Partial results merge by log-sum-exp in float32 (float64 for float64 inputs); backward runs each kernel with the merged
 output and log-sum-exp, so the gradients are exact. With R == 1 (Ulysses: the whole sequence on
 every rank) nothing travels. As with the plain ring, the forward and backward are
@@ -28,17 +32,21 @@ import torch.distributed as dist
 
 from .. import _torch_cp
 from . import _hooks
-from ._blocks import Task, plan, row_groups
+from ._blocks import Task, needs, plan, row_groups
 from ._kernels import CAUSAL_SPLIT, accumulator, block_backward, block_forward, expand_kv, fold_kv_grads, own, \
     register_attention_autograd
 
 
-def _plans(positions, docs, ring_rank, causal, window, dense, batch, device_type):
-    """[source ring rank] -> [(batch rows, tasks)] for this rank's queries, row groups with no task left out."""
+def _plans(positions, docs, ring_rank, causal, window, dense, batch, device_type, attended):
+    """[source ring rank] -> [(batch rows, tasks)] for this rank's queries, row groups with no task left out
+    (``attended[src]``: whether any query attends src's block; none: nothing to plan)."""
     out = []
     split = CAUSAL_SPLIT.get(device_type)
     for src in range(positions.shape[0]):
         per = []
+        if not attended[src]:
+            out.append(per)
+            continue
         for rows, ids in row_groups(docs, batch):
             cut = dense[rows] if dense is not None and dense.ndim == 4 and dense.shape[0] > 1 else dense
             tasks = plan(positions[ring_rank], positions[src], ids, causal, window, cut, split)
@@ -98,47 +106,74 @@ def _backward_block(grad, q, k, v, out, lse, src_plans, backend, scale, dq, dk, 
             dv[kindex] += c.to(dv.dtype)
 
 
-def _shift(tensors: list[torch.Tensor], group, ring_rank: int, ring: int) -> tuple[list, list]:
-    """Start sending ``tensors`` to the next ring rank and receiving the previous one's: an all-to-all with
-    one non-empty split each way, as PyTorch's alltoall rotation does (gloo carries it for CUDA tensors too)."""
-    nxt, prv = (ring_rank + 1) % ring, (ring_rank - 1) % ring
+def _active(need: tuple[tuple[bool, ...], ...], step: int) -> bool:
+    """Whether any ring rank sends its block ``step`` ranks on (``need[d][s]``: rank d attends rank s's block)."""
+    ring = len(need)
+    return any(need[(r + step) % ring][r] for r in range(ring))
+
+
+def _exchange(send: list[torch.Tensor] | None, like: list[torch.Tensor], to: int | None, frm: int | None, group,
+              ring: int) -> tuple[list, list]:
+    """Start sending ``send`` to ring rank ``to`` and receiving tensors shaped as ``like`` from ``frm`` (None: nothing
+    that way). Every ring rank calls it for the same step: an all-to-all with at most one non-empty split each way,
+    as PyTorch's alltoall rotation does (gloo carries it for CUDA tensors too)."""
     works, recv = [], []
-    for t in tensors:
-        flat = t.contiguous().view(-1)
-        into = torch.empty_like(flat)
-        sends = [flat.numel() if j == nxt else 0 for j in range(ring)]
-        gets = [flat.numel() if j == prv else 0 for j in range(ring)]
-        works.append(dist.all_to_all_single(into, flat, gets, sends, group=group, async_op=True))
-        recv.append(into.view(t.shape))
+    for i, t in enumerate(like):
+        flat = send[i].contiguous().view(-1) if to is not None else t.new_empty(0)
+        into = torch.empty(t.shape, dtype=t.dtype, device=t.device) if frm is not None else None
+        out = into.view(-1) if into is not None else t.new_empty(0)
+        sends = [flat.numel() if j == to else 0 for j in range(ring)]
+        gets = [out.numel() if j == frm else 0 for j in range(ring)]
+        works.append(dist.all_to_all_single(out, flat, gets, sends, group=group, async_op=True))
+        recv.append(into)
+        _hooks.count_sent(flat.numel() * flat.element_size())
     return works, recv
 
 
-def _arrived(pending: tuple[list, list]) -> list[torch.Tensor]:
-    """Wait for a :func:`_shift`; what came in."""
+def _arrived(pending: tuple[list, list]) -> list[torch.Tensor | None]:
+    """Wait for an :func:`_exchange`; what came in (None where nothing did)."""
     reqs, recv = pending
     for r in reqs:
         r.wait()
     return recv
 
 
-def _gather(t: torch.Tensor, group, ring: int) -> torch.Tensor:
-    """(ring, *t.shape): every ring rank's ``t``."""
-    buf = torch.empty((ring * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(buf, t.contiguous(), group=group)
-    return buf.view(ring, *t.shape)
+def _incoming(kv: list[torch.Tensor], need, me: int, group, ahead: int):
+    """(step, source ring rank, its [k, v] or None): this rank's own block at step 0, ring rank ``me - step``'s
+    at each further step. Each owner sends its block straight to every rank that attends it and to no other;
+    a step nobody sends in runs no collective. Transfers start ``ahead`` steps early: 1 overlaps the next
+    block's transfer with this one's kernels (alltoall), ``ring - 1`` moves every block at once (allgather)."""
+    ring, pending = len(need), {}
+
+    def start(step):
+        if step < ring and _active(need, step):
+            to, frm = (me + step) % ring, (me - step) % ring
+            pending[step] = _exchange(kv, kv, to if need[to][me] else None, frm if need[me][frm] else None, group,
+                                      ring)
+
+    for step in range(1, 1 + ahead):
+        start(step)
+    yield 0, me, kv
+    for step in range(1, ring):
+        start(step + ahead)
+        got = _arrived(pending.pop(step)) if step in pending else None
+        yield step, (me - step) % ring, got if got is not None and got[0] is not None else None
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
-def _setup(q, k, v, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank, is_causal):
+def _setup(q, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank, is_causal, rotate_method):
     group = _torch_cp.resolve_group(group_name) if group_name else None
     ring = positions.shape[0]
     window = None if window_left < 0 else (window_left, window_right)
-    plans = _plans(positions.cpu(), doc_ids.cpu() if doc_ids is not None else None, ring_rank, is_causal, window,
-                   mask.cpu() if mask is not None else None, q.shape[0], q.device.type)
-    return group, ring, plans
+    docs = doc_ids.cpu() if doc_ids is not None else None
+    need = needs(positions.cpu(), docs, q.shape[0], is_causal, window)
+    plans = _plans(positions.cpu(), docs, ring_rank, is_causal, window, mask.cpu() if mask is not None else None,
+                   q.shape[0], q.device.type, need[ring_rank])
+    ahead = ring - 1 if rotate_method == "allgather" else min(1, ring - 1)
+    return group, plans, need, ahead
 
 
 @torch.library.custom_op("cptune::block_attention", mutates_args=())
@@ -146,25 +181,15 @@ def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         doc_ids: torch.Tensor | None, mask: torch.Tensor | None, window_left: int, window_right: int,
                         group_name: str, ring_rank: int, backend: str, is_causal: bool, scale: float | None,
                         rotate_method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    group, ring, plans = _setup(q, k, v, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank,
-                                is_causal)
+    group, plans, need, ahead = _setup(q, positions, doc_ids, mask, window_left, window_right, group_name,
+                                       ring_rank, is_causal, rotate_method)
     s, acc = _scale(q, scale), accumulator(q.dtype)
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     seen = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
-    if ring == 1:
-        _forward_block(q, k, v, plans[0], backend, s, out, lse, seen)
-    elif rotate_method == "allgather":
-        ks, vs = _gather(k, group, ring), _gather(v, group, ring)
-        for src in range(ring):
-            _forward_block(q, ks[src], vs[src], plans[src], backend, s, out, lse, seen)
-    else:
-        cur = [k.contiguous(), v.contiguous()]
-        for step in range(ring):  # the next block travels while this one's kernels run
-            pending = _shift(cur, group, ring_rank, ring) if step < ring - 1 else None
-            _forward_block(q, cur[0], cur[1], plans[(ring_rank - step) % ring], backend, s, out, lse, seen)
-            if pending is not None:
-                cur = _arrived(pending)
+    for _, src, block in _incoming([k, v], need, ring_rank, group, ahead):
+        if block is not None:
+            _forward_block(q, block[0], block[1], plans[src], backend, s, out, lse, seen)
     _hooks.notify_forward()
     return own(out.to(q.dtype)), own(lse)
 
@@ -182,40 +207,38 @@ def _block_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: tor
                                  window_right: int, group_name: str, ring_rank: int, backend: str, is_causal: bool,
                                  scale: float | None, rotate_method: str
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    group, ring, plans = _setup(q, k, v, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank,
-                                is_causal)
+    group, plans, need, ahead = _setup(q, positions, doc_ids, mask, window_left, window_right, group_name,
+                                       ring_rank, is_causal, rotate_method)
     s, acc = _scale(q, scale), accumulator(q.dtype)
     lse = lse.masked_fill(torch.isinf(lse) & (lse < 0), float("inf"))  # rows that attend to nothing: no gradient
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     seen = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool)
 
     def zeros():
-        return torch.zeros(k.shape, dtype=acc, device=q.device), torch.zeros(v.shape, dtype=acc, device=q.device)
+        return [torch.zeros(k.shape, dtype=acc, device=q.device), torch.zeros(v.shape, dtype=acc, device=q.device)]
 
-    if ring == 1:
-        dk, dv = zeros()
-        _backward_block(grad_out, q, k, v, out, lse, plans[0], backend, s, dq, dk, dv, seen)
-    elif rotate_method == "allgather":
-        ks, vs = _gather(k, group, ring), _gather(v, group, ring)
-        dks = torch.zeros(ks.shape, dtype=acc, device=q.device)
-        dvs = torch.zeros(vs.shape, dtype=acc, device=q.device)
-        for src in range(ring):
-            _backward_block(grad_out, q, ks[src], vs[src], out, lse, plans[src], backend, s, dq, dks[src], dvs[src],
-                            seen)
-        both = torch.stack([dks, dvs], 1)  # [owner] -> its key and value gradients from this rank
-        back = torch.empty_like(both)
-        dist.all_to_all_single(back, both, group=group)  # back[j]: my block's gradients from rank j
-        dk, dv = back[:, 0].sum(0), back[:, 1].sum(0)
-    else:
-        kv, grads = [k.contiguous(), v.contiguous()], list(zeros())
-        for step in range(ring):  # a block's gradients travel with it and reach its owner after a full turn
-            pending = _shift(kv, group, ring_rank, ring) if step < ring - 1 else None
-            _backward_block(grad_out, q, kv[0], kv[1], out, lse, plans[(ring_rank - step) % ring], backend, s, dq,
-                            grads[0], grads[1], seen)
-            grads = _arrived(_shift(grads, group, ring_rank, ring))
-            if pending is not None:
-                kv = _arrived(pending)
-        dk, dv = grads
+    mine, returns = zeros(), []  # this rank's block's gradients; gradient returns in flight
+
+    def collect():
+        for g, into in zip(_arrived(returns.pop(0)), mine):
+            if g is not None:
+                into += g
+
+    ring = len(need)
+    for step, src, block in _incoming([k, v], need, ring_rank, group, ahead):
+        grads = mine if step == 0 else zeros() if block is not None else None
+        if block is not None:
+            _backward_block(grad_out, q, block[0], block[1], out, lse, plans[src], backend, s, dq, grads[0],
+                            grads[1], seen)
+        if step and _active(need, step):  # each block's gradients go straight back to its owner
+            back = (ring_rank + step) % ring
+            returns.append(_exchange(grads, mine, src if block is not None else None,
+                                     back if need[back][ring_rank] else None, group, ring))
+            if len(returns) > ahead:
+                collect()
+    while returns:
+        collect()
+    dk, dv = mine
     return own(dq.to(q.dtype)), own(dk.to(k.dtype)), own(dv.to(v.dtype))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._documents import head_tail_chunks
+from ._documents import head_tail_chunks, in_order_chunks
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,9 @@ class Layout:
 
     @property
     def contiguous(self) -> bool:
-        return self.chunks is None and not (self.load_balance and self.ring > 1)
+        if self.chunks is not None:
+            return self.chunks == in_order_chunks(self.ring)
+        return not (self.load_balance and self.ring > 1)
 
 
 def shard(t: torch.Tensor, dim: int, layout: Layout, rank: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ documents and windows cost what they attend, and an unbalanced causal split cost
 shard) at the attention kernel's rate, forward + backward (2.5x forward); elementwise traffic at
 memory bandwidth; activation-checkpointing recompute; a fixed cost per layer pass. Communication:
 each strategy's bytes per layer over the link its group crosses (NVLink inside a node, the network
-across nodes): the ring's K/V blocks (forward, then K/V and float32 gradients backward), Ulysses'
+across nodes): the ring's K/V blocks (forward, then K/V and float32 gradients backward; under
+cptune's masked ring only the blocks some query of the receiver attends, :func:`ring_blocks`), Ulysses'
 four all-to-alls each way, both for the hybrid, FSDP's all-gathers and reduce-scatter over dp x cp.
 Overlap is explicit: the ring's point-to-point rotation (and cptune's masked ring, either rotation)
 hides behind the block being computed, FSDP behind the layers' compute (all but the first
@@ -24,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..attention import documents_from_lengths, kv_replication, lengths_from_spec, token_work, work_chunks
+from ..attention import Layout, documents_from_lengths, kv_replication, lengths_from_spec, needs, token_work, \
+    work_chunks
 from ..config import CPConfig, decide_load_balance
 from ..workload import Workload
 from ._dims import ModelDims
@@ -90,12 +92,16 @@ def prefetches(config: CPConfig, workload: Workload) -> bool:
     return config.rotate_method == "alltoall" or workload.documents is not None or workload.window is not None
 
 
-def ring_buffer_bytes(block: float, ring: int, prefetched: bool) -> float:
-    """What the ring's rotation holds, ``block`` being one ring step's K and V: PyTorch's all-gather every ring
-    rank's block and the next; a prefetching rotation three in flight."""
+def ring_buffer_bytes(block: float, ring: int, config: CPConfig, workload: Workload, received: int) -> float:
+    """What the ring's rotation holds, ``block`` being one ring step's K and V and ``received`` the blocks this rank
+    receives (:func:`ring_blocks`): PyTorch's all-gather every ring rank's block and the next, its point-to-point
+    rotation three in flight; cptune's masked ring (documents or a window) every block it receives at once
+    (allgather) or two at a time (alltoall), besides its own."""
     if ring == 1:
         return 0.0
-    return block * (3 if prefetched else ring + 1)
+    if workload.documents is None and workload.window is None:
+        return block * (3 if config.rotate_method == "alltoall" else ring + 1)
+    return block * (1 + (received if config.rotate_method == "allgather" else min(2, received)))
 
 
 def kept_attention_layer(q_bytes: float, ring: int, exchanged: float) -> float:
@@ -111,20 +117,49 @@ def _work(seq_len: int, documents: str | None, causal: bool, window: int | None)
     return token_work(ids, seq_len, causal, None if window is None else (window, 0))
 
 
+@functools.lru_cache(maxsize=32)
+def _positions(seq_len: int, documents: str | None, causal: bool, window: int | None, ring: int,
+               balanced: bool) -> torch.Tensor:
+    """(ring, S / ring): the positions each ring rank holds, dealt as the block deals them (:func:`work_chunks`)."""
+    chunks = None
+    if balanced:
+        found = work_chunks(_work(seq_len, documents, causal, window), ring,
+                            by_work=bool(documents) or window is not None)
+        chunks = found[0] if found is not None else None
+    layout = Layout(ring, ring, balanced, chunks)
+    return torch.stack([layout.ring_positions(seq_len, r) for r in range(ring)])
+
+
 def busiest_pairs(workload: Workload, ring: int, balanced: bool) -> float:
     """Attended (query, key) pairs per sequence of the ring position with the most, over ``ring`` shards."""
     w = workload
     work = _work(w.seq_len, w.documents, w.causal, w.window)
     if ring == 1:
         return float(work.sum())
-    if not balanced:
-        return float(work.reshape(ring, -1).sum(-1).max())
-    layout = work_chunks(work, ring, by_work=bool(w.documents) or w.window is not None)
-    if layout is None:
-        return float(work.reshape(ring, -1).sum(-1).max())
-    chunks, grid = layout
-    per_chunk = work.reshape(grid, -1).sum(-1)
-    return max(float(per_chunk[list(c)].sum()) for c in chunks)
+    return float(work[_positions(w.seq_len, w.documents, w.causal, w.window, ring, balanced)].sum(-1).max())
+
+
+@functools.lru_cache(maxsize=64)
+def _blocks(seq_len: int, documents: str | None, causal: bool, window: int | None, ring: int,
+            balanced: bool) -> tuple[int, int]:
+    positions = _positions(seq_len, documents, causal, window, ring, balanced)
+    ids = documents_from_lengths(lengths_from_spec(documents, seq_len)) if documents else None
+    need = needs(positions, ids, 1, causal, None if window is None else (window, 0))
+    others = [[s for s in range(ring) if s != d] for d in range(ring)]
+    return (max(sum(need[d][s] for s in others[d]) for d in range(ring)),
+            max(sum(need[d][s] for d in others[s]) for s in range(ring)))
+
+
+def ring_blocks(workload: Workload, ring: int, balanced: bool) -> tuple[int, int]:
+    """(the most K/V blocks a ring rank receives, the most one sends) per pass over the ring: every other rank's
+    under PyTorch's ring; under cptune's masked ring (documents or a window) only the blocks some query of the
+    receiver attends (the send rule, :func:`cptune.attention.needs`)."""
+    w = workload
+    if ring == 1:
+        return 0, 0
+    if w.documents is None and w.window is None:
+        return ring - 1, ring - 1
+    return _blocks(w.seq_len, w.documents, w.causal, w.window, ring, balanced)
 
 
 class _Links:
@@ -155,6 +190,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     exchanged = (2 * hq + 2 * kv * rep) * e if ulysses > 1 else 0  # per token: what Ulysses swaps (q, k, v, out)
     # the point-to-point rotation, and cptune's masked ring with either one, send the next block during this one's
     prefetched = prefetches(c, w)
+    received, sent = ring_blocks(w, ring, lb)
+    hops = max(received, sent)  # ring steps whose transfer the busiest rank waits for (links are full duplex)
     links = _Links(hw, gpus_per_node)
     gemm_rate = hw.flops(gemm_dtype or w.dtype) * eff.gemm
     attn_rate = hw.flops(w.dtype) * eff.attention
@@ -178,15 +215,15 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     attention_t = attn_fwd_t * (1 + BACKWARD)
     # the ring merges each block's partial output into float32 accumulators (forward), and accumulates
     # float32 dq, dk, dv (backward): about 12 + 24 bytes per query element per further ring step
-    merge = L * (ring - 1) * tokens * hq * 36 / mem_rate if ring > 1 else 0.0
+    merge = L * received * tokens * hq * 36 / mem_rate
     compute = 3 * dense_t + attention_t + 3 * elem_t + recompute + overhead + merge
 
     # -- communication (per layer, this rank) -----------------------------------------------
     comm: dict[str, float] = {}
     exposed = 0.0
-    if ring > 1:
-        fwd = links.seconds((ring - 1) * block, ring - 1, cp)
-        bwd = links.seconds((ring - 1) * block * (1 + 4 / e), 2 * (ring - 1), cp)
+    if hops:
+        fwd = links.seconds(hops * block, hops, cp)
+        bwd = links.seconds(hops * block * (1 + 4 / e), 2 * hops, cp)
         passes_fwd = 2 if point.ac == "full" else 1
         ring_t = L * (passes_fwd * fwd + bwd)
         comm["ring"] = ring_t
@@ -235,7 +272,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     q_local = tokens * hq
     kv_local = tokens * kv * rep
     temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
-    temps += int(ring_buffer_bytes(block, ring, prefetched))
+    temps += int(ring_buffer_bytes(block, ring, c, w, received))
     temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
     memory = {"baseline": hw.baseline_bytes, "parameters": 4 * p // shards, "gradients": 4 * p // shards,
               "optimizer": (8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),

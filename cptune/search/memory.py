@@ -8,8 +8,8 @@ import torch
 from .._defaults import BUDGET_FRACTION
 from .._env import total_device_memory
 from ..attention import kv_replication
-from ..config import CPConfig
-from ..plan._step import kept_attention_layer, prefetches, ring_buffer_bytes
+from ..config import CPConfig, decide_load_balance
+from ..plan._step import kept_attention_layer, ring_blocks, ring_buffer_bytes
 from ..workload import Workload
 
 PRUNE_FACTOR = 1.5
@@ -49,7 +49,9 @@ def predict_peak(workload: Workload, config: CPConfig, baseline: int = 0) -> int
         ring = 0
     else:
         kv_block = 2 * kv * e  # key and value travel with their own head count
-        rotate = ring_buffer_bytes(kv_block, ring_degree, prefetches(config, w))
+        lb = decide_load_balance(config.load_balance, causal=w.causal, cp=cp, ring=ring_degree, seq_len=w.seq_len).on
+        received = ring_blocks(w, ring_degree, lb)[0]
+        rotate = ring_buffer_bytes(kv_block, ring_degree, config, w, received)
         merge = 2 * q * f32 + 2 * w.batch * w.heads * local * f32
         grads = (3 * q + 2 * 2 * kv) * f32  # fp32 dq, dk, dv and the dk/dv block in flight
         ring = rotate + max(merge, grads)
