@@ -331,6 +331,33 @@ def test_flex_attention_inside_a_block_is_refused_not_run_on_a_shard(ranks, comp
         assert message.startswith("cptune: flex_attention:") and "documents=" in message, message
 
 
+def _rules_off_case(layout_name, rotate):
+    """A block whose documents or window dealt the tokens by work (or kept them in order) and one call that turns
+    them off: plain causal attention over the whole sequence, exact, although the layout is not PyTorch's."""
+    lengths = {"longtail": _documents.lengths_from_spec("longtail", 64), "equal": [16] * 4}[layout_name]
+    docs = cptune.documents_from_lengths(lengths)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, grad = (torch.randn(1, 2, 64, 8, generator=gen) for _ in range(4))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    (ref_out * grad).sum().backward()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with cptune.context_parallel(buffers=[*leaves, grad], seq_dims=[2] * 4, documents=docs, window=(8, 0),
+                                 no_restore=[grad], config=cptune.CPConfig(rotate_method=rotate)) as cp:
+        chunks = cp._require().layout.chunks
+        out = cptune.scaled_dot_product_attention(*leaves, is_causal=True, documents=False, window=False)
+        (cp.cp_size * (out * grad).sum()).backward()
+        full = cp.unshard(out, 2)
+    return chunks, max([max_err(full, ref_out)] + [max_err(a.grad, b.grad) for a, b in zip(leaves, ref)])
+
+
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+def test_a_call_that_turns_the_blocks_rules_off_is_exact_on_any_layout(ranks, rotate):
+    for layout_name in ("longtail", "equal"):
+        for chunks, err in ranks(2).run(_rules_off_case, layout_name, rotate):
+            assert chunks is not None and err <= FP32_TOL, (layout_name, chunks, err)
+
+
 def _decorated_case():
     """The decorator form reads each call's documents from an argument; cp = 1 applies them too."""
     docs = cptune.documents_from_lengths([[6, 10], [16]])

@@ -131,7 +131,8 @@ def _ring_or_masked(s: Setup, q, k, v, attn_mask, is_causal, scale, docs, window
     # No cache: a side effect here would break torch.compile inside checkpointed regions.
     backend, problems = pick_backend(s.backends, q.device.type, q.dtype, ring=True)
     raise_if(problems)
-    if not masked and attn_mask is None and q.dtype != torch.float64:  # PyTorch's ring merges in float32
+    # PyTorch's ring merges in float32 and knows two layouts only: in order, or head-tail under load balancing
+    if not masked and attn_mask is None and q.dtype != torch.float64 and s.layout.chunks is None:
         return ring_attention(q, k, v, s.ring_group, backend, is_causal, scale, s.rotate_method, s.load_balance)
     mask = attn_mask
     if mask is not None and mask.dtype == torch.bool and bool(mask.all()):
