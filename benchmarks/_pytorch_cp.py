@@ -61,3 +61,33 @@ def torch_context_parallel(mesh: Any, buffers: list[torch.Tensor], seq_dims: lis
         for op in handlers:
             dispatcher._custom_op_handlers.pop(op, None)
         cp._cp_options.rotate_method = old_rotate
+
+
+def flex_document_forward(mesh: Any, docs: torch.Tensor) -> Any:
+    """PyTorch's CP with FlexAttention on packed causal documents, plain contiguous shards: the block mask of this
+    rank's queries against the whole sequence (built once), and a forward that all-gathers K/V and runs the
+    compiled ``flex_attention`` (``run(q, k, v)`` on this rank's shards)."""
+    from torch.distributed.distributed_c10d import _get_process_group_name
+    from torch.nn.attention.flex_attention import flex_attention
+
+    cp = _torch_cp.require_cp()
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+
+    seq_len = docs.numel()
+    old = cp._cp_options.enable_load_balance
+    cp._cp_options.enable_load_balance = False  # contiguous shards, as cptune's side gets
+    try:
+        block_mask = cp._create_cp_block_mask(same_document_causal, 1, 1, seq_len, seq_len, mesh)
+    finally:
+        cp._cp_options.enable_load_balance = old
+    flex = torch.compile(flex_attention)
+    group = _get_process_group_name(mesh.get_group())
+    gather = torch.ops.cplib.flex_cp_allgather
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        full_k, full_v = gather(k, v, 2, group)
+        return flex(q, full_k, full_v, block_mask=block_mask)
+
+    return run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 
 def _best(oracle: dict, feasible_only: bool = True) -> str:
@@ -228,6 +229,26 @@ def _plots(results: dict, out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def cpu_run(name: str, description: str, ranks: int = 2) -> tuple[Any, dict]:
+    """A CPU benchmark's command line (``--quick``, ``--update-readme``) and the head of its results: the command
+    as run, the date and the machine."""
+    import argparse
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--update-readme", action="store_true")
+    args = parser.parse_args()
+    return args, {"command": f"python -m benchmarks.{name}" + (" --quick" if args.quick else ""),
+                  "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M"),
+                  "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {ranks} gloo ranks x 1 thread, "
+                             f"torch {torch.__version__}"}
 
 
 def publish(kind: str, results: dict, lines: list[str], update_readme: bool) -> Path:

@@ -22,6 +22,9 @@ from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_
 from .recipe import world_size_problems
 from ._validate import BufferPlan, check_buffers, transport_problems
 
+LATE_PACKING_IMBALANCE = 1.1
+"""Documents a model brings after the block dealt its tokens head-tail: warn past this imbalance (max / mean)."""
+
 _MESHES: dict[tuple, DeviceMesh] = {}  # meshes cptune built, reused: building one is a collective
 _ACTIVE: list[_Session] = []  # sessions inside a with-block / decorated call, innermost last
 
@@ -64,6 +67,7 @@ class _Session:
                  window: Any = None) -> None:
         self.config, self.causal, self.recipe = config, causal, recipe
         self.documents: torch.Tensor | None = None  # (B or 1, S) int64 on the CPU, once checked
+        self._packing: torch.Tensor | None = None  # documents of a buffer named position_ids: for the layout only
         self.window = None
         self._asked = (documents, window)
         self.dp = self.cp = self.ulysses = self.ring = 1
@@ -146,7 +150,19 @@ class _Session:
             if found:
                 return problems + found
             self.documents = A.as_rows(documents)
+        else:
+            self._packing = self._packed_position_ids()
         return problems
+
+    def _packed_position_ids(self) -> torch.Tensor | None:
+        """The documents of a buffer named ``position_ids`` (a dict key, or the decorator's argument) that restarts
+        at 0 in each document, as transformers reads a packed batch: the block deals the tokens by their work when
+        it opens. They apply to attention only when the model says so (``cptune.hf`` finds the same packing)."""
+        for name, t, dim in zip(self.plan.names, self.plan.tensors, self.plan.dims):
+            if name.endswith("['position_ids']") and dim == t.ndim - 1 and t.ndim <= 2 and not t.is_floating_point() \
+                    and t.dtype != torch.bool and t.shape[-1] == self.plan.seq_len:
+                return A.packed_documents(t.detach().cpu().reshape(-1, t.shape[-1]))
+        return None
 
     def _resolve_mesh(self, mesh: DeviceMesh | None, buffer_device: str | None) -> list[Problem]:
         if mesh is not None:
@@ -239,8 +255,9 @@ class _Session:
     def _resolve(self) -> None:
         """The block's attention setup, resolved once (the work-balanced layout of its documents included)."""
         chunks = None
-        if (self.documents is not None or self.window is not None) and self.plan.load_balance and self.ring > 1:
-            work = A.token_work(self.documents, self.plan.seq_len, self.causal, self.window)
+        documents = self.documents if self.documents is not None else self._packing
+        if (documents is not None or self.window is not None) and self.plan.load_balance and self.ring > 1:
+            work = A.token_work(documents, self.plan.seq_len, self.causal, self.window)
             found = A.work_chunks(work, self.ring)  # head-tail chunks lay out as chunks=None does
             chunks = found[0] if found is not None else None
         layout = A.Layout(self.cp, self.ring, self.plan.load_balance, chunks)
@@ -268,10 +285,27 @@ class _Session:
             raise_if(A.document_problems(ids, self.plan.seq_len, None, source))
             self.documents = ids
             self._route.setup = dataclasses.replace(self.setup, documents=ids)
+            self._warn_if_dealt_blind(ids, source)
         elif not _same_documents(self.documents, ids):
             raise_if([Problem(source, "describe other documents than the block's documents=",
                               "pass the same packing to both, or leave documents= out and let the model's "
                               "packed inputs say it")])
+
+    def _warn_if_dealt_blind(self, ids: torch.Tensor, source: str) -> None:
+        """Documents the block learns only now were dealt head-tail: say how to deal them by work, if it matters."""
+        positions = self.setup.positions
+        if self._packing is not None or positions is None or not self.plan.load_balance or self.ring == 1:
+            return
+        work = A.token_work(ids, self.plan.seq_len, self.causal, self.window)
+        loads = work[positions].sum(-1)
+        if float(loads.max() / loads.mean()) > LATE_PACKING_IMBALANCE and (not dist.is_initialized() or
+                                                                            dist.get_rank() == 0):
+            warnings.warn(f"cptune: the packed batch's documents ({source}) reached the block after it dealt the "
+                          "tokens, so they are dealt head-tail and the busiest rank attends more than "
+                          f"{LATE_PACKING_IMBALANCE}x the mean; give the block the packing when it opens (buffers "
+                          "as a dict with the position ids under 'position_ids', or documents="
+                          "cptune.documents_from_position_ids(position_ids)) to deal them by work", CPTuneWarning,
+                          stacklevel=2)
 
     def full_tensor(self, shard: torch.Tensor) -> torch.Tensor | None:
         """The whole-sequence tensor whose shard this is, if it is one of the block's buffers (no communication)."""

@@ -19,7 +19,11 @@ Inside a block transformers builds no mask (it would build one for this rank's s
 * **packed documents** are recognized the way transformers recognizes them: ``position_ids``
   that restart at each document with no attention mask (``DataCollatorWithFlattening``), or the
   flash-attention kwargs ``cu_seq_lens_q`` a collator passes. The whole sequence's position ids
-  are read from the block's buffer (or gathered), and the block's attention keeps to documents;
+  are read from the block's buffer (or gathered), and the block's attention keeps to documents.
+  With load balancing, name the position ids in the buffers (``buffers={"input_ids": ...,
+  "position_ids": positions}``, or the decorator's ``position_ids`` argument): the block then
+  reads the packing when it opens and deals the tokens by work, as ``documents=`` does; found only
+  by the model call, they are dealt head-tail (a warning says so when that is unbalanced);
 * **sliding windows** (Mistral, Qwen2 and Gemma sliding layers: ``sliding_window=W`` lets a token
   see W tokens, itself included) become the block's window ``(W - 1, 0)`` for that layer.
 

@@ -139,7 +139,9 @@ def _packed_batch(flash_kwargs=False):
     return collate([{"input_ids": d} for d in docs])
 
 
-def _packed_case(rotate, flash_kwargs, steps=2, **strategy):
+def _packed_case(rotate, flash_kwargs, steps=2, named=False, **strategy):
+    """``named``: the buffers as a dict with the position ids under 'position_ids', so the block reads the
+    packing when it opens (and deals by work); else a list, the packing reaching the block with the model call."""
     import cptune.hf
 
     batch = _packed_batch(flash_kwargs)
@@ -156,10 +158,15 @@ def _packed_case(rotate, flash_kwargs, steps=2, **strategy):
         ref_out = ref(input_ids=ids, position_ids=positions, labels=labels, use_cache=False)
         ref_out.loss.backward()
         shifted = cptune.shift_labels(labels)
-        with cptune.context_parallel(buffers=[ids, shifted, positions], seq_dims=[1, 1, 1], config=config) as cp:
+        buffers = [ids, shifted, positions]
+        if named:
+            buffers = {"input_ids": ids, "shift_labels": shifted, "position_ids": positions}
+        with cptune.context_parallel(buffers=buffers, seq_dims=[1, 1, 1] if not named else dict.fromkeys(buffers, 1),
+                                     config=config) as cp:
             out = model(input_ids=ids, position_ids=positions, shift_labels=shifted, use_cache=False, **extra)
             out.loss.backward()
             logits = cp.unshard(out.logits, 1)
+            chunks = cp._require().layout.chunks
         loss = out.loss.detach()
         dist.all_reduce(loss)
         grad_err = 0.0
@@ -167,7 +174,7 @@ def _packed_case(rotate, flash_kwargs, steps=2, **strategy):
             dist.all_reduce(p.grad)
             grad_err = max(grad_err, (p.grad / world - r.grad).abs().max().item())
         results.append({"loss_err": abs(loss.item() / world - ref_out.loss.item()), "grad_err": grad_err,
-                        "logits_err": (logits - ref_out.logits).abs().max().item()})
+                        "logits_err": (logits - ref_out.logits).abs().max().item(), "chunks": chunks})
     return results
 
 
@@ -178,6 +185,34 @@ def test_a_packed_batch_trains_like_one_process(ranks, world, rotate, flash_kwar
     for per_rank in ranks(world).run(_packed_case, rotate, flash_kwargs, **strategy):
         for r in per_rank:
             assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["logits_err"] <= TOL, per_rank
+
+
+@pytest.mark.parametrize("world,rotate", [(2, "alltoall"), (4, "allgather")])
+def test_position_ids_named_in_the_buffers_deal_a_packed_batch_by_work_when_the_block_opens(ranks, world, rotate):
+    """The same packed batch, the block told nothing but the buffers' names: the tokens are dealt by work as
+    documents= deals them (not head-tail), and the step still equals one process."""
+    from cptune.attention import documents_from_position_ids, token_work, work_chunks
+
+    want = work_chunks(token_work(documents_from_position_ids(_packed_batch()["position_ids"]), 64, True, None),
+                       world)[0]
+    assert want != tuple((r, 2 * world - 1 - r) for r in range(world))  # dealt by work, not head-tail
+    for per_rank in ranks(world).run(_packed_case, rotate, False, steps=1, named=True):
+        for r in per_rank:
+            assert r["chunks"] == want and r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["logits_err"] <= TOL, r
+
+
+def _late_packing_case():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = _packed_case("alltoall", False, steps=1)
+    return results[0]["chunks"], [str(w.message) for w in caught if "reached the block" in str(w.message)]
+
+
+def test_a_packing_that_reaches_the_block_late_says_how_to_deal_it_by_work(ranks):
+    chunks, said = ranks(2).run(_late_packing_case)[0]
+    assert chunks is None and len(said) == 1 and "'position_ids'" in said[0], said
 
 
 def _mistral_window_case(rotate):
