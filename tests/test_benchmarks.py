@@ -153,4 +153,4 @@ def test_packed_benchmark_renders_every_figure_it_measured():
                             "full": 9 * 2**20, "sent_ratio": 0.25, "imbalance": 1.03, "seconds": 0.5}],
                "hf": [{"seq_len": 8192, "mode": m, "ratio": 1.0, "imbalance": 1.0} for m in packed.HF_MODES]}
     text = "\n".join(packed.summary_lines(results))
-    assert "(0.30×)" in text and "| 0.25 |" in text and all(v in text for v in packed.HF_MODES.values())
+    assert "| 8192 | 8 | 0.30 | 0.25 |" in text and "| 0.25 | 1.03 |" in text and all(v in text for v in packed.HF_MODES.values())
