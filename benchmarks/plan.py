@@ -18,6 +18,8 @@
 3. Published figures (``PUBLISHED``): torchtitan's Llama 3.1 8B CP table, calibrated on one point
    (FSDP 8, CP 1) and predicting the others; ring-flash-attention's ring / zigzag efficiencies with no
    calibration at all. Every error is reported, the misses too.
+4. The ring's traffic outside its kernels per further ring step, as ``benchmarks.ring_traffic`` measures it
+   here: the figures the step model's ``RING_STEP_BYTES`` hold.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from cptune.plan._dims import dims_from_workload
 from cptune.plan._step import busiest_pairs
 from cptune.search import MeasureSettings
 
+from . import ring_traffic
+
 STEP = "examples.train_llama_cp:search_step"
 WORKLOAD = dict(seq_len=4096, heads=4, kv_heads=2, head_dim=32, layers=2, ac="auto", step=STEP)
 SETTINGS = MeasureSettings(warmup=1, min_repeats=3, max_repeats=6, min_seconds=1.0)
@@ -50,7 +54,7 @@ TORCHTITAN = {
     "source": "torchtitan docs/performance.md, Table 2: Llama 3.1 8B, 8 H100 (96GB HBM2e, 2.4 TB/s, 500 W), "
               "FSDP + CP + torch.compile + Float8, local batch 1, full activation checkpointing",
     "model": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256,
-                  name="Llama 3.1 8B"),
+                  kv_expanded=True, name="Llama 3.1 8B"),  # torchtitan's Llama: repeat_kv before SDPA
     "points": [  # (dp = FSDP degree, cp, sequence length, published tokens/s per GPU, published memory GiB)
         (8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5)],
 }
@@ -243,6 +247,8 @@ def summary_lines(results: dict) -> list[str]:
               "| GPUs | implementation | published share of theoretic | predicted | error |", "|---|---|---|---|---|"]
     for r in results["ring_flash"]["rows"]:
         lines.append(f"| {r['gpus']} | {r['impl']} | {r['published']:.1%} | {r['predicted']:.1%} | {r['error']:+.0%} |")
+    if "ring_traffic" in results:
+        lines += ["", *ring_traffic.summary_lines(results["ring_traffic"])]
     return lines
 
 
@@ -275,6 +281,7 @@ def main() -> None:
             Path("/tmp/cptune-plan-partial.json").write_text(json.dumps(results, indent=1))  # a long run's progress
     results["torchtitan"] = torchtitan()
     results["ring_flash"] = ring_flash()
+    results["ring_traffic"] = ring_traffic.measure()
     results["total_seconds"] = time.monotonic() - started
     publish("plan", results, summary_lines(results), args.update_readme)
 

@@ -154,3 +154,14 @@ def test_packed_benchmark_renders_every_figure_it_measured():
                "hf": [{"seq_len": 8192, "mode": m, "ratio": 1.0, "imbalance": 1.0} for m in packed.HF_MODES]}
     text = "\n".join(packed.summary_lines(results))
     assert "| 8192 | 8 | 0.30 | 0.25 |" in text and "| 0.25 | 1.03 |" in text and all(v in text for v in packed.HF_MODES.values())
+
+
+def test_the_ring_traffic_benchmark_gives_the_step_models_per_element_bytes():
+    from benchmarks import ring_traffic
+
+    r = ring_traffic.measure()
+    ops = r["operations"]
+    assert r["forward"] == (ops["merge"], 2 * ops["concatenate"])
+    assert r["backward"] == (ops["accumulate"], 2 * ops["accumulate"] + 4 * ops["concatenate"])
+    assert ops["merge"] > ops["accumulate"] > 0  # the merge's three full-size passes against one
+    assert "per further ring step" in ring_traffic.summary_lines(r)[0]

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import cptune
 import cptune.plan as P
 from cptune.plan._calibrate import fold
-from cptune.plan._step import busiest_pairs, ring_blocks
+from cptune.plan._step import RING_STEP_BYTES, busiest_pairs, ring_blocks
 from cptune.search.memory import predict_peak
 from cptune.errors import ValidationError
 
@@ -171,6 +171,34 @@ def test_the_step_model_follows_the_physics():
     inside = P.predict(dims, P.plan_workload(dims, 131072), P.Point(wide), P.load_hardware("h100"), 16)
     across = P.predict(dims, P.plan_workload(dims, 131072), P.Point(wide), P.load_hardware("h100"), 8)
     assert across.time["comm_ring"] > inside.time["comm_ring"]
+
+
+def test_each_further_ring_step_moves_the_measured_bytes_and_expanded_kv_moves_more():
+    """The ring's traffic outside its kernels (RING_STEP_BYTES, measured by benchmarks.ring_traffic): none
+    without a ring, the forward part twice under full AC, and K/V repeated to the query heads before attention
+    (torchtitan's repeat_kv) costs query-wide K/V: in the merge traffic, the ring's bytes and memory."""
+    dims = _dims()
+    expanded = dims.model_copy(update={"kv_expanded": True})
+    hw = P.load_hardware("h100")
+    w = P.plan_workload(dims, 65536)
+
+    def merge(d, cp, ac="none"):
+        config = cptune.CPConfig(mesh_shape=(1, cp), rotate_method="allgather", load_balance=True)
+        return P.predict(d, w, P.Point(config, ac), hw, 8)
+
+    assert merge(dims, 1).time["ring_merge"] == 0.0
+    tokens, hq, kv = w.seq_len // 4, dims.q_width, dims.kv_width
+    (fq, fkv), (bq, bkv) = RING_STEP_BYTES["forward"], RING_STEP_BYTES["backward"]
+    rate = hw.memory_GBps * 1e9 * hw.efficiency.memory
+    for ac, passes in (("none", 1), ("full", 2)):
+        per_step = passes * (fq * hq + fkv * kv) + bq * hq + bkv * kv
+        assert merge(dims, 4, ac).time["ring_merge"] == pytest.approx(dims.layers * 3 * tokens * per_step / rate)
+    plain, wide = merge(dims, 4), merge(expanded, 4)
+    assert dims.kv_heads < dims.heads and expanded.attended_kv_heads == dims.heads
+    assert wide.time["ring_merge"] > plain.time["ring_merge"]
+    # the ring's bytes scale with the heads (its per-message latency does not)
+    assert 0.95 * dims.heads / dims.kv_heads < wide.time["comm_ring"] / plain.time["comm_ring"] < dims.heads / dims.kv_heads
+    assert wide.peak_bytes > plain.peak_bytes
 
 
 def test_nothing_fits_a_tiny_budget_and_the_recipe_says_why():

@@ -166,12 +166,16 @@ def attends(q_pos: torch.Tensor, k_pos: torch.Tensor, docs: torch.Tensor | None,
     """Whether some query at ``q_pos`` attends some key at ``k_pos`` (one row group): exactly when :func:`plan`
     without a dense mask gives a task. A run's queries see one unbroken stretch of keys (each query's interval
     overlaps the next one's), so a pair of runs of one document is attended when that stretch meets the keys."""
+    return _meets(list(runs(q_pos, docs)), list(runs(k_pos, docs)), causal, window)
+
+
+def _meets(q_runs: list, k_runs: list, causal: bool, window: Window | None) -> bool:
     left = window[0] if window is not None else math.inf
     right = 0 if causal else (window[1] if window is not None else math.inf)
     by_doc: dict[int, list[tuple[int, int]]] = {}
-    for ks, ke, kg, doc in runs(k_pos, docs):
+    for ks, ke, kg, doc in k_runs:
         by_doc.setdefault(doc, []).append((kg, kg + ke - ks - 1))
-    for qs, qe, qg, doc in runs(q_pos, docs):
+    for qs, qe, qg, doc in q_runs:
         lo, hi = qg - left, qg + qe - qs - 1 + right
         if any(k0 <= hi and lo <= k1 for k0, k1 in by_doc.get(doc, ())):
             return True
@@ -184,11 +188,12 @@ def needs(positions: torch.Tensor, docs: torch.Tensor | None, batch: int, causal
     row (``positions``: (R, L); ``docs``: (B or 1, S) or None). Every rank computes the same matrix without
     communication. A dense mask only removes pairs, so it is not read: a block it masks fully still travels."""
     ring = positions.shape[0]
-    need = [[False] * ring for _ in range(ring)]
+    need = [[d == s for s in range(ring)] for d in range(ring)]
     for _, ids in row_groups(docs, batch):
+        spans = [list(runs(positions[r], ids)) for r in range(ring)]  # each rank's runs, found once per group
         for d in range(ring):
             for s in range(ring):
-                need[d][s] = need[d][s] or d == s or attends(positions[d], positions[s], ids, causal, window)
+                need[d][s] = need[d][s] or _meets(spans[d], spans[s], causal, window)
     return tuple(tuple(row) for row in need)
 
 

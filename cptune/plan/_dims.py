@@ -18,7 +18,10 @@ from ..workload import Workload
 class ModelDims(StrictModel):
     """A decoder-only transformer: ``layers`` blocks of attention (``heads`` query heads, ``kv_heads`` key/value
     heads of ``head_dim``) and a gated MLP of width ``ffn``, with a ``vocab``-wide embedding and head.
-    ``attention_only``: the search's attention proxy (no projections, MLP or embedding)."""
+    ``attention_only``: the search's attention proxy (no projections, MLP or embedding). ``kv_expanded``: the
+    model repeats its key/value heads to the query heads before attention (torchtitan's Llama, ``repeat_kv``), so
+    attention and the ring carry and accumulate query-wide K and V; cptune's models and ``cptune.hf`` pass
+    ``enable_gqa`` instead."""
 
     layers: int = Field(gt=0, json_schema_extra={"fix": "give --layers as a positive count"})
     hidden: int = Field(gt=0, json_schema_extra={"fix": "give the model width (hidden_size)"})
@@ -29,6 +32,7 @@ class ModelDims(StrictModel):
     vocab: int = Field(0, ge=0, json_schema_extra={"fix": "give vocab_size"})
     tied_embeddings: bool = False
     attention_only: bool = False
+    kv_expanded: bool = False
     name: str = ""
 
     @model_validator(mode="after")
@@ -45,6 +49,11 @@ class ModelDims(StrictModel):
     @property
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
+
+    @property
+    def attended_kv_heads(self) -> int:
+        """Key/value heads as attention receives them."""
+        return self.heads if self.kv_expanded else self.kv_heads
 
     @property
     def layer_params(self) -> int:

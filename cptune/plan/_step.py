@@ -35,6 +35,13 @@ from ._hardware import Hardware
 BACKWARD = 2.5
 """Attention backward / forward FLOPs (flash: recompute QK^T, then dP, dV, dQ, dK)."""
 
+RING_STEP_BYTES = {"forward": (37.0, 22.0), "backward": (14.0, 71.0)}
+"""What the ring moves in memory per further ring step outside its kernels, in bytes per query element and per
+key element (V has as many): forward, the float32 merge of the block's output and log-sum-exp (under load balancing
+half the steps on half the queries) and K and V concatenated for the rotation; backward, the float32 dq, dk and dv
+accumulated (half the steps a partial update, which clones) and dk, dv and K, V concatenated. Measured on CPU by
+``python -m benchmarks.ring_traffic`` (PyTorch's ring's own operations, float32): 36.9 + 21.7 and 13.7 + 70.7."""
+
 
 @dataclass(frozen=True)
 class Point:
@@ -112,9 +119,14 @@ def kept_attention_layer(q_bytes: float, ring: int, exchanged: float) -> float:
 
 
 @functools.lru_cache(maxsize=32)
+def _ids(seq_len: int, documents: str | None) -> torch.Tensor | None:
+    """(1, S) document ids of a workload's documents spec, or None."""
+    return documents_from_lengths(lengths_from_spec(documents, seq_len)) if documents else None
+
+
+@functools.lru_cache(maxsize=32)
 def _work(seq_len: int, documents: str | None, causal: bool, window: int | None) -> torch.Tensor:
-    ids = documents_from_lengths(lengths_from_spec(documents, seq_len)) if documents else None
-    return token_work(ids, seq_len, causal, None if window is None else (window, 0))
+    return token_work(_ids(seq_len, documents), seq_len, causal, None if window is None else (window, 0))
 
 
 @functools.lru_cache(maxsize=32)
@@ -143,8 +155,7 @@ def busiest_pairs(workload: Workload, ring: int, balanced: bool) -> float:
 def _blocks(seq_len: int, documents: str | None, causal: bool, window: int | None, ring: int,
             balanced: bool) -> tuple[int, int]:
     positions = _positions(seq_len, documents, causal, window, ring, balanced)
-    ids = documents_from_lengths(lengths_from_spec(documents, seq_len)) if documents else None
-    need = needs(positions, ids, 1, causal, None if window is None else (window, 0))
+    need = needs(positions, _ids(seq_len, documents), 1, causal, None if window is None else (window, 0))
     others = [[s for s in range(ring) if s != d] for d in range(ring)]
     return (max(sum(need[d][s] for s in others[d]) for d in range(ring)),
             max(sum(need[d][s] for d in others[s]) for s in range(ring)))
@@ -185,9 +196,11 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     e, b, s = w.itemsize, w.batch, w.seq_len
     tokens = b * s // cp  # this rank's tokens (before Ulysses' exchange)
     h, hq, kv, f, L = dims.hidden, dims.q_width, dims.kv_width, dims.ffn, dims.layers
-    rep = kv_replication(dims.heads, dims.kv_heads, ulysses) if ulysses > 1 else 1
-    block = 2 * b * (dims.kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e  # one ring step's K and V
-    exchanged = (2 * hq + 2 * kv * rep) * e if ulysses > 1 else 0  # per token: what Ulysses swaps (q, k, v, out)
+    kv_heads = dims.attended_kv_heads
+    rep = kv_replication(dims.heads, kv_heads, ulysses) if ulysses > 1 else 1
+    kv_att = kv_heads * rep * dims.head_dim  # per token: K's width as attention receives it (so V's)
+    block = 2 * b * (kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e  # one ring step's K and V
+    exchanged = (2 * hq + 2 * kv_att) * e if ulysses > 1 else 0  # per token: what Ulysses swaps (q, k, v, out)
     # the point-to-point rotation, and cptune's masked ring with either one, send the next block during this one's
     prefetched = prefetches(c, w)
     received, sent = ring_blocks(w, ring, lb)
@@ -203,6 +216,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     pairs = busiest_pairs(w, ring, lb) * b
     attn_fwd = 4 * dims.head_dim * (dims.heads / ulysses) * pairs * L
     per_token = 3 * hq if dims.attention_only else 14 * h + 6 * f
+    expanded = 2 * hq if dims.kv_expanded else 0  # repeat_kv writes query-wide K and V (and autograd keeps them)
+    per_token += expanded
     elem_fwd = tokens * L * per_token * e + (tokens * dims.vocab * 12 if not dims.attention_only else 0)
     dense_t, attn_fwd_t, elem_t = dense_fwd / gemm_rate, attn_fwd / attn_rate, elem_fwd / mem_rate
     # selective checkpointing keeps the matmuls and the ring's attention ops; without a ring (cp = 1, or
@@ -213,9 +228,13 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     passes = 3 + (1 if point.ac != "none" else 0)
     overhead = eff.layer_overhead_ms * 1e-3 * L * passes
     attention_t = attn_fwd_t * (1 + BACKWARD)
-    # the ring merges each block's partial output into float32 accumulators (forward), and accumulates
-    # float32 dq, dk, dv (backward): about 12 + 24 bytes per query element per further ring step
-    merge = L * received * tokens * hq * 36 / mem_rate
+    # each further ring step merges the block's output (forward, again when full AC recomputes it) and
+    # accumulates dq, dk, dv (backward) in float32, and concatenates what rotates: RING_STEP_BYTES
+    fwd_q, fwd_kv = RING_STEP_BYTES["forward"]
+    bwd_q, bwd_kv = RING_STEP_BYTES["backward"]
+    merge_passes = 2 if point.ac == "full" else 1
+    per_step = merge_passes * (fwd_q * hq + fwd_kv * kv_att) + bwd_q * hq + bwd_kv * kv_att
+    merge = L * received * tokens * per_step / mem_rate
     compute = 3 * dense_t + attention_t + 3 * elem_t + recompute + overhead + merge
 
     # -- communication (per layer, this rank) -----------------------------------------------
@@ -262,7 +281,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     else:
         # what autograd keeps of a Llama-style block: two norms (input, normalized, output: 3h each), q and k
         # before and after rotary, v, the attention's output and its transposed copy, four MLP tensors
-        full_layer = (6 * h + 4 * hq + 3 * kv + 4 * f) * e + lse + ring_extra + exchanged
+        full_layer = (6 * h + 4 * hq + 3 * kv + expanded + 4 * f) * e + lse + ring_extra + exchanged
         kept = {"none": full_layer, "selective": (3 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + exchanged,
                 "full": h * e}[point.ac]
     # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
@@ -270,7 +289,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     activations = tokens * (L * kept + full_layer + (full_layer if point.ac != "none" else 0))
     logits = tokens * dims.vocab * (e + 8) if not dims.attention_only else 0
     q_local = tokens * hq
-    kv_local = tokens * kv * rep
+    kv_local = tokens * kv_att
     temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
     temps += int(ring_buffer_bytes(block, ring, c, w, received))
     temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
