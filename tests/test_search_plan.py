@@ -57,9 +57,12 @@ def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path):
     measured = [r for r in first.trials if r.state == "ok"]
     assert skipped, first.table()
     assert len(measured) >= MIN_TRIALS
+    by_plan = [r for r in skipped if r.reason.startswith(f"{SKIPPED}: predicted ")]
+    assert by_plan, first.table()  # beside the AC modes a measured ac-none dominates (their own test, below)
     for r in skipped:
-        assert r.reason.startswith(f"{SKIPPED}: predicted ") and "calibrated error" in r.reason, r.reason
-        assert r.tokens_per_s is None and r.plan_tps
+        assert r in by_plan or r.reason.startswith("skipped: ac-none of the same configuration"), r.reason
+        assert r.tokens_per_s is None
+    assert all("calibrated error" in r.reason and r.plan_tps for r in by_plan)
     assert all(r.plan_tps for r in measured)  # predicted beside measured, for every trial
     assert SKIPPED in first.table() and " plan " in first.table().splitlines()[0]
     rows = json.loads(json.dumps(first.to_dict()))["trials"]
@@ -76,3 +79,76 @@ def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path):
     now_measured = [r for r in skipped if states[r.key].state == "ok" and states[r.key].tokens_per_s]
     assert len(now_measured) == rerun
     assert len([r for r in second.trials if r.state == "skipped"]) == len(skipped) - rerun
+
+
+GiB = 2**30
+AC_PEAK = {"none": 1.5 * GiB, "selective": 1.0 * GiB, "full": 0.5 * GiB}
+AC_SLOWER = {"none": 1.0, "selective": 1.2, "full": 1.5}
+
+
+def ac_measure(workload, config, settings):
+    """A deterministic step per (configuration, AC mode): more recompute, slower and smaller."""
+    import os
+
+    import torch.distributed as dist
+
+    key = config_key(config, workload.ac)
+    log = os.environ.get("CPTUNE_TEST_LOG")
+    if log and dist.get_rank() == 0:
+        with open(log, "a") as f:
+            f.write(key + "\n")
+    seconds = AC_SLOWER[workload.ac] * (1 + sum(map(ord, config_key(config))) % 5 / 10)
+    return {"rank": dist.get_rank(), "times": [seconds] * 3, "peak": int(AC_PEAK[workload.ac]), "baseline": 0,
+            "pid": os.getpid()}
+
+
+def test_a_checkpointing_mode_is_not_run_once_one_that_recomputes_less_fits(tmp_path, monkeypatch):
+    """Dominance: once ac-none of a configuration is measured within the budget, its selective and full runs
+    cannot be faster (the same step plus recompute) and are skipped, each saying why; a tighter budget that
+    the less checkpointed run no longer fits reopens them; --exhaustive runs them all."""
+    from cptune.search import guide
+
+    monkeypatch.setattr(guide.Guide, "skip", lambda *a, **k: None)  # the plan skips nothing: the rule alone
+    log = tmp_path / "measured.log"
+    monkeypatch.setenv("CPTUNE_TEST_LOG", str(log))
+    w = cptune.Workload(seq_len=1024, heads=4, head_dim=16, ac="auto")
+    quick = MeasureSettings(min_seconds=0)
+
+    def search(budget, study="ac", **kw):
+        return cptune.tune(w, nproc=2, storage=f"sqlite:///{tmp_path}/{study}.db", measure=ac_measure, confirm=False,
+                           settings=quick, memory_budget=budget, sampler="grid", **kw)  # order: none, selective, full
+
+    def measured_since(n):
+        return log.read_text().split()[n:]
+
+    # a rank's own memory (~0.3 GiB) + the step's: ac-none 1.8 GiB, selective 1.3, full 0.8; 5 % margin
+    first = search("2GiB")  # ac-none fits everywhere
+    measured = measured_since(0)
+    assert first.complete and len(first.trials) == 18 and len(measured) == 6
+    assert all(k.endswith("-ac-none") for k in measured)
+    skipped = [r for r in first.trials if r.state == "skipped"]
+    assert len(skipped) == 12 and all(r.ac in ("selective", "full") for r in skipped)
+    for r in skipped:
+        assert r.reason.startswith("skipped: ac-none of the same configuration measured "), r.reason
+        assert "fits" in r.reason and f"ac-{r.ac} recomputes more" in r.reason
+    assert first.best.ac == "none"
+
+    n = len(log.read_text().split())
+    tight = search("1.6GiB", study="tight")  # a fresh study: ac-none does not fit, selective does, full is dominated
+    assert sorted(measured_since(n)) == sorted([*measured, *(k.replace("-ac-none", "-ac-selective") for k in measured)])
+    assert all(r.state == "skipped" and r.reason.startswith("skipped: ac-selective ") for r in tight.trials
+               if r.ac == "full")
+    assert tight.best.ac == "selective" and all(r.state == "infeasible" for r in tight.trials if r.ac == "none")
+
+    n = len(log.read_text().split())
+    resumed = search("1.6GiB")  # the first study under the tighter budget: what ac-none dominated is open again
+    again = measured_since(n)
+    assert sorted(k for k in again if k.endswith("-ac-selective")) == \
+        sorted(k.replace("-ac-none", "-ac-selective") for k in measured)
+    assert not any(r.reason.startswith("skipped: ac-none") for r in resumed.trials)
+    assert resumed.complete and all(r.state == "ok" for r in resumed.trials if r.ac == "selective")
+
+    n = len(log.read_text().split())
+    every = search("1.6GiB", study="tight", exhaustive=True)  # every dominated one measured now
+    assert sorted(measured_since(n)) == sorted(k.replace("-ac-none", "-ac-full") for k in measured)
+    assert every.evaluated_now == 6 and all(r.state == "ok" for r in every.trials if r.ac == "full")

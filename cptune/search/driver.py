@@ -4,7 +4,9 @@
 configurations until every open one is answered (or ``n_trials`` / ``timeout``), measures each
 on the evaluator's ranks (or rules it out without running), and races the leaders within noise.
 Configurations are proposed in the plan's order (:mod:`.guide`: best predicted first, recalibrated
-after each trial; ``sampler='tpe'`` lets TPE propose instead), and the plan may skip one.
+after each trial; ``sampler='tpe'`` lets TPE propose instead), and the plan may skip one. A checkpointing mode
+is not run once a mode of the same configuration that recomputes less is measured to fit
+(:func:`.records.dominating`); ``exhaustive`` runs everything.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from .guide import Guide
 from .interrupts import Interrupts, SearchInterrupted
 from .measure import summarize, tokens_per_step
 from .memory import PRUNE_FACTOR, predict_peak
-from .records import INTERRUPTED, TrialRecord, over_budget_reason, pruned_reason, record_from
+from .records import DOMINATED_ATTR, INTERRUPTED, TrialRecord, dominated_reason, dominating, over_budget_reason, \
+    pruned_reason, record_from
 from .result import SearchResult
 from .settings import SearchSettings
 from .._space import config_from, config_key, invalid_reason, mesh_shapes
@@ -62,7 +65,7 @@ class _StudyRun:
         self.evaluator, self.study, self.workload, self.settings = evaluator, study, workload, settings
         self.progress, self.interrupts = progress, interrupts
         self.axes = axes(workload, evaluator.world_size, evaluator.device_type)
-        self.done = finished(study, settings.budget, rerun_skipped=settings.exhaustive)
+        self.done = finished(study, settings.budget, rerun_skipped=settings.exhaustive, margin=settings.margin)
         self.open_points: dict[str, dict] = {}  # one parameter set per distinct configuration, in search order
         for p in itertools.product(*self.axes.as_dict().values()):
             params = dict(zip(self.axes.as_dict(), p))
@@ -171,6 +174,11 @@ class _StudyRun:
         reason = invalid_reason(workload, config, self.evaluator.device_type)
         if reason is not None:
             trial.set_user_attr("reason", f"invalid: {reason}")
+            return study.tell(trial, state=state.PRUNED)
+        by = None if s.exhaustive else dominating(config, ac, self.done, s.budget, s.margin)
+        if by is not None:  # a less checkpointed run of it fits: this one cannot be faster
+            trial.set_user_attr(DOMINATED_ATTR, by.user_attrs["key"])
+            trial.set_user_attr("reason", dominated_reason(by, ac, s.margin, s.budget))
             return study.tell(trial, state=state.PRUNED)
         planned = self.guide.predicted(key, config, ac) if self.guide is not None else None
         if planned is not None:

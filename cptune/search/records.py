@@ -9,7 +9,7 @@ import optuna
 
 from ..config import CPConfig
 from .._sizes import format_size
-from .._space import config_key
+from .._space import AC_MODES, config_key
 from .memory import PRUNE_FACTOR
 
 
@@ -17,7 +17,7 @@ from .memory import PRUNE_FACTOR
 class TrialRecord:
     number: int
     config: CPConfig
-    state: str  # "ok", "infeasible", "invalid", "failed", "skipped" (by the plan)
+    state: str  # "ok", "infeasible", "invalid", "failed", "skipped" (by the plan, or dominated)
     tokens_per_s: float | None = None
     step_time_s: float | None = None
     peak_bytes: int | None = None
@@ -52,6 +52,32 @@ class TrialRecord:
 
 
 INTERRUPTED = "the search stopped during this trial"
+DOMINATED_ATTR = "dominated_by"
+"""Trial attribute: the key of the measured configuration that makes this one not worth running (:func:`dominating`)."""
+
+
+def dominating(config: CPConfig, ac: str | None, done: dict[str, optuna.trial.FrozenTrial], budget: int,
+               margin: float) -> optuna.trial.FrozenTrial | None:
+    """The measured trial of the same configuration with less activation checkpointing that fits ``budget`` with
+    ``margin``, or None. Checkpointing trades time for memory: a mode that recomputes more runs the same step plus
+    its recompute (the same kernels, the same communication) and only saves memory, so once a mode that
+    recomputes less is measured to fit, the ones that recompute more cannot be faster and are not run."""
+    if ac not in AC_MODES:
+        return None
+    for less in AC_MODES[:AC_MODES.index(ac)]:
+        t = done.get(config_key(config, less))
+        if t is not None and t.state == optuna.trial.TrialState.COMPLETE:
+            peak = t.user_attrs.get("peak_bytes")
+            if peak is not None and peak * (1 + margin) <= budget:
+                return t
+    return None
+
+
+def dominated_reason(by: optuna.trial.FrozenTrial, ac: str, margin: float, budget: int) -> str:
+    a = by.user_attrs
+    return (f"skipped: ac-{a.get('ac')} of the same configuration measured {by.value:,.0f} tokens/s and fits "
+            f"(peak {format_size(a['peak_bytes'])}{f' + {margin:.0%} margin' if margin else ''} <= budget "
+            f"{format_size(budget)}); ac-{ac} recomputes more of the same step and only saves memory")
 
 
 def over_budget_reason(peak: int, budget: int, margin: float) -> str:
@@ -80,7 +106,7 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
         state = "ok" if feasible else "infeasible"
     elif reason.startswith("invalid"):
         state = "invalid"
-    elif a.get("plan_skipped"):
+    elif a.get("plan_skipped") or a.get(DOMINATED_ATTR):
         state = "skipped"
     elif t.state == optuna.trial.TrialState.PRUNED:
         state = "infeasible"

@@ -14,13 +14,14 @@ from typing import Any
 
 import optuna
 
+from ..config import CPConfig
 from ..errors import Problem, ValidationError
 from ..models import config_path
 from ..workload import Workload
 from . import racing
 from .measure import tokens_per_step
 from .memory import PRUNE_FACTOR
-from .records import INTERRUPTED, TrialRecord, record_from
+from .records import DOMINATED_ATTR, INTERRUPTED, TrialRecord, dominating, record_from
 from .result import SearchResult
 from .settings import MeasureSettings
 from .._defaults import MEMORY_MARGIN
@@ -128,13 +129,14 @@ _PREFERENCE = {optuna.trial.TrialState.COMPLETE: 2, optuna.trial.TrialState.FAIL
                optuna.trial.TrialState.PRUNED: 0}
 
 
-def finished(study: optuna.Study, budget: int | None = None,
-             rerun_skipped: bool = False) -> dict[str, optuna.trial.FrozenTrial]:
+def finished(study: optuna.Study, budget: int | None = None, rerun_skipped: bool = False,
+             margin: float = MEMORY_MARGIN) -> dict[str, optuna.trial.FrozenTrial]:
     """The trial that answers each configuration today, by config key.
 
     Not answered (so run again): a trial interrupted by a stopped search, one ruled out by
-    its predicted peak under an earlier, tighter budget that the current ``budget`` admits, and
-    with ``rerun_skipped`` (``--exhaustive``) one the plan skipped.
+    its predicted peak under an earlier, tighter budget that the current ``budget`` admits, one
+    skipped as dominated whose less checkpointed configuration no longer fits ``budget`` with
+    ``margin``, and with ``rerun_skipped`` (``--exhaustive``) one the plan skipped or dominated.
     Of several, a measurement wins over a failure over a ruling-out, and the latest wins.
     """
     done: dict[str, optuna.trial.FrozenTrial] = {}
@@ -144,7 +146,7 @@ def finished(study: optuna.Study, budget: int | None = None,
             continue
         if t.state == optuna.trial.TrialState.FAIL and a.get("reason") == INTERRUPTED:
             continue
-        if rerun_skipped and a.get("plan_skipped"):
+        if rerun_skipped and (a.get("plan_skipped") or a.get(DOMINATED_ATTR)):
             continue
         predicted = a.get("predicted_bytes")
         if (budget is not None and t.state == optuna.trial.TrialState.PRUNED and predicted is not None
@@ -153,13 +155,18 @@ def finished(study: optuna.Study, budget: int | None = None,
         previous = done.get(a["key"])
         if previous is None or (_PREFERENCE[t.state], t.number) > (_PREFERENCE[previous.state], previous.number):
             done[a["key"]] = t
+    if budget is not None:  # a dominated config stands only while what dominates it still fits
+        for key, t in list(done.items()):
+            a = t.user_attrs
+            if a.get(DOMINATED_ATTR) and dominating(CPConfig(**a["config"]), a.get("ac"), done, budget, margin) is None:
+                del done[key]
     return done
 
 
 def records(study: optuna.Study, workload: Workload, budget: int, margin: float) -> list[TrialRecord]:
     """Every configuration's record today: judged against ``budget``, its spread from all its step times."""
     extra = study.user_attrs.get(racing.EXTRA_ATTR, {})
-    found = [record_from(t, budget, margin) for t in finished(study, budget).values()]
+    found = [record_from(t, budget, margin) for t in finished(study, budget, margin=margin).values()]
     for r in found:
         racing.apply_spread(r, tokens_per_step(workload, r.config), extra.get(r.key, []))
     return found
