@@ -228,11 +228,11 @@ def expand_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tu
 
 
 def fold_kv_grads(dk: torch.Tensor, dv: torch.Tensor, key_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expanded key/value gradients summed back onto their own ``key_heads`` heads (in float32)."""
+    """Expanded key/value gradients summed back onto their own ``key_heads`` heads (in float32; float64 stays)."""
     if dk.shape[1] == key_heads:
         return dk, dv
-    return (dk.unflatten(1, (key_heads, -1)).sum(2, dtype=torch.float32),
-            dv.unflatten(1, (key_heads, -1)).sum(2, dtype=torch.float32))
+    acc = torch.float64 if dk.dtype == torch.float64 else torch.float32
+    return dk.unflatten(1, (key_heads, -1)).sum(2, dtype=acc), dv.unflatten(1, (key_heads, -1)).sum(2, dtype=acc)
 
 
 def _gqa(op: Callable[..., Any]) -> Callable[..., Any]:

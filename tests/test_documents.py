@@ -113,6 +113,32 @@ def test_blocks_with_nothing_attended_call_no_kernel():
                                                                               (8, 16, 8, 16, True, None)]
 
 
+def test_grouped_query_heads_keep_float64_exact_on_short_documents():
+    """The masked ring on one rank in float64, with grouped-query heads, batch rows with their own documents, a
+    window and non-causal attention: single-device attention's output and gradients to 1e-12 (the key/value
+    gradients were summed back onto their heads in float32: off by 1e-7)."""
+    from cptune.attention import _masked_ring
+
+    cases = [([[64] * 32], True, None), ([[256] * 4, [100, 300, 624]], True, None), ([[128] * 8], True, (100, 0)),
+             ([[128] * 8], False, None)]
+    for lengths, causal, window in cases:
+        docs = torch.cat([cptune.documents_from_lengths(row) for row in lengths])
+        batch, seq_len = docs.shape
+        gen = torch.Generator().manual_seed(3)
+        qkv = [torch.randn(batch, h, seq_len, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2)]
+        out = _masked_ring.block_attention(*qkv, torch.arange(seq_len).unsqueeze(0), docs, None, window, None, 0,
+                                           "flash", causal, None, "alltoall")
+        grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        got = torch.autograd.grad(out, qkv, grad)
+        q, k, v = qkv
+        mask = _documents.dense_mask(docs, window, causal, seq_len)
+        ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                             attn_mask=mask.unsqueeze(1) if mask.ndim == 3 else mask)
+        want = torch.autograd.grad(ref, qkv, grad)
+        assert max((a - b).abs().max().item() for a, b in zip((out, *got), (ref, *want))) < 1e-12, lengths
+
+
 def test_document_helpers_read_like_transformers():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     ids = cptune.documents_from_position_ids(pos)
