@@ -81,7 +81,9 @@ def _leave(code: int) -> None:
 @click.option("--trial-timeout", type=SECONDS, default=TRIAL_TIMEOUT_S, show_default=True,
               help="Seconds before a trial is a hang.")
 @click.option("--sampler", type=OneOf(["auto", "grid", "tpe"]), default="auto", show_default=True)
-@click.option("--exhaustive", is_flag=True, help="Measure every config: the plan orders trials but skips none.")
+@click.option("--exhaustive", is_flag=True,
+              help="Measure every config: the plan orders trials but skips none, and no checkpointing mode is "
+                   "skipped as dominated by a fitting run with less recompute.")
 @click.option("--min-seconds", type=Number(0, fix="give 0 or more seconds"), default=1.0, show_default=True,
               help="Timing scale: screening and each race round time a config for a quarter of this "
                    "(and of the 20-step cap; 1 step at least).")

@@ -35,12 +35,13 @@ from ._hardware import Hardware
 BACKWARD = 2.5
 """Attention backward / forward FLOPs (flash: recompute QK^T, then dP, dV, dQ, dK)."""
 
-RING_STEP_BYTES = {"forward": (37.0, 22.0), "backward": (14.0, 71.0)}
+RING_STEP_BYTES = {"forward": (29.5, 21.4), "backward": (11.5, 65.6)}
 """What the ring moves in memory per further ring step outside its kernels, in bytes per query element and per
 key element (V has as many): forward, the float32 merge of the block's output and log-sum-exp (under load balancing
 half the steps on half the queries) and K and V concatenated for the rotation; backward, the float32 dq, dk and dv
 accumulated (half the steps a partial update, which clones) and dk, dv and K, V concatenated. Measured on CPU by
-``python -m benchmarks.ring_traffic`` (PyTorch's ring's own operations, float32): 36.9 + 21.7 and 13.7 + 70.7."""
+``python -m benchmarks.ring_traffic`` (PyTorch's ring's own operations, float32, from memory: caches flushed,
+no fresh pages): 29.5 + 21.4 and 11.5 + 65.6."""
 
 
 @dataclass(frozen=True)

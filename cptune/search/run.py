@@ -103,7 +103,8 @@ def search(
     Trials run in the order the step model (:mod:`cptune.plan`) predicts best first, recalibrated after
     each; a config it rules out beyond its measured error is recorded as skipped by plan
     (:mod:`.guide`), unless ``exhaustive``. ``workload.ac='auto'`` searches activation checkpointing
-    (none, selective, full) as a dimension.
+    (none, selective, full) as a dimension; a mode is not run once a mode of the same configuration that
+    recomputes less is measured to fit (it cannot be faster), unless ``exhaustive``.
 
     ``seq_lens``: search each of these sequence lengths (one study each, on the same ranks) and
     return the list of results, in order; a training schedule's lengths in one run.

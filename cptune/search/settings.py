@@ -27,7 +27,7 @@ class SearchSettings:
     ``measure``: how each trial is timed. ``n_trials``/``timeout``: when to stop starting trials.
     ``trial_timeout``: seconds before a trial is a hang. ``sampler``/``seed``: how configs are
     proposed. ``confirm``: screen briefly and race the leaders (else measure each once). ``exhaustive``:
-    measure every configuration (the plan still orders them; see :mod:`.guide`).
+    measure every configuration, dominated checkpointing modes too (the plan still orders them; see :mod:`.guide`).
     """
 
     budget: int
