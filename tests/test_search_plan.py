@@ -48,7 +48,10 @@ def test_the_skip_rule_needs_measurements_and_stays_beyond_the_error():
     assert guide.skip("k0", *configs["k0"], best_tps=best) is None  # the best itself is never ruled out
 
 
-def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path):
+def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path, monkeypatch):
+    from cptune.search import driver
+
+    monkeypatch.setattr(driver, "dominating", lambda *a, **k: None)  # the plan's skips alone (dominance: below)
     storage = f"sqlite:///{tmp_path}/plan.db"
     w = cptune.Workload(**AC_AUTO)
     first = cptune.tune(w, nproc=2, storage=storage, confirm=False, settings=QUICK)
@@ -57,12 +60,9 @@ def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path):
     measured = [r for r in first.trials if r.state == "ok"]
     assert skipped, first.table()
     assert len(measured) >= MIN_TRIALS
-    by_plan = [r for r in skipped if r.reason.startswith(f"{SKIPPED}: predicted ")]
-    assert by_plan, first.table()  # beside the AC modes a measured ac-none dominates (their own test, below)
     for r in skipped:
-        assert r in by_plan or r.reason.startswith("skipped: ac-none of the same configuration"), r.reason
-        assert r.tokens_per_s is None
-    assert all("calibrated error" in r.reason and r.plan_tps for r in by_plan)
+        assert r.reason.startswith(f"{SKIPPED}: predicted ") and "calibrated error" in r.reason, r.reason
+        assert r.tokens_per_s is None and r.plan_tps
     assert all(r.plan_tps for r in measured)  # predicted beside measured, for every trial
     assert SKIPPED in first.table() and " plan " in first.table().splitlines()[0]
     rows = json.loads(json.dumps(first.to_dict()))["trials"]
@@ -82,7 +82,7 @@ def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path):
 
 
 GiB = 2**30
-AC_PEAK = {"none": 1.5 * GiB, "selective": 1.0 * GiB, "full": 0.5 * GiB}
+AC_PEAK = {"none": 3.0 * GiB, "selective": 1.0 * GiB, "full": 0.5 * GiB}
 AC_SLOWER = {"none": 1.0, "selective": 1.2, "full": 1.5}
 
 
@@ -121,8 +121,8 @@ def test_a_checkpointing_mode_is_not_run_once_one_that_recomputes_less_fits(tmp_
     def measured_since(n):
         return log.read_text().split()[n:]
 
-    # a rank's own memory (~0.3 GiB) + the step's: ac-none 1.8 GiB, selective 1.3, full 0.8; 5 % margin
-    first = search("2GiB")  # ac-none fits everywhere
+    # a rank's own memory (measured, under 1 GiB) + the step's: ac-none 3 GiB, selective 1, full 0.5; 5 % margin
+    first = search("8GiB")  # ac-none fits everywhere
     measured = measured_since(0)
     assert first.complete and len(first.trials) == 18 and len(measured) == 6
     assert all(k.endswith("-ac-none") for k in measured)
@@ -134,14 +134,14 @@ def test_a_checkpointing_mode_is_not_run_once_one_that_recomputes_less_fits(tmp_
     assert first.best.ac == "none"
 
     n = len(log.read_text().split())
-    tight = search("1.6GiB", study="tight")  # a fresh study: ac-none does not fit, selective does, full is dominated
+    tight = search("2.5GiB", study="tight")  # a fresh study: ac-none does not fit, selective does, full is dominated
     assert sorted(measured_since(n)) == sorted([*measured, *(k.replace("-ac-none", "-ac-selective") for k in measured)])
     assert all(r.state == "skipped" and r.reason.startswith("skipped: ac-selective ") for r in tight.trials
                if r.ac == "full")
     assert tight.best.ac == "selective" and all(r.state == "infeasible" for r in tight.trials if r.ac == "none")
 
     n = len(log.read_text().split())
-    resumed = search("1.6GiB")  # the first study under the tighter budget: what ac-none dominated is open again
+    resumed = search("2.5GiB")  # the first study under the tighter budget: what ac-none dominated is open again
     again = measured_since(n)
     assert sorted(k for k in again if k.endswith("-ac-selective")) == \
         sorted(k.replace("-ac-none", "-ac-selective") for k in measured)
@@ -149,6 +149,6 @@ def test_a_checkpointing_mode_is_not_run_once_one_that_recomputes_less_fits(tmp_
     assert resumed.complete and all(r.state == "ok" for r in resumed.trials if r.ac == "selective")
 
     n = len(log.read_text().split())
-    every = search("1.6GiB", study="tight", exhaustive=True)  # every dominated one measured now
+    every = search("2.5GiB", study="tight", exhaustive=True)  # every dominated one measured now
     assert sorted(measured_since(n)) == sorted(k.replace("-ac-none", "-ac-full") for k in measured)
     assert every.evaluated_now == 6 and all(r.state == "ok" for r in every.trials if r.ac == "full")
