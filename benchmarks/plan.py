@@ -236,9 +236,10 @@ def summary_lines(results: dict) -> list[str]:
               "|---|---|---|---|---|---|"]
     for h in results["here"]:
         s = h["search"]
+        split = f" ({s['skipped_by_plan']} + {s['skipped'] - s['skipped_by_plan']})" if "skipped_by_plan" in s else ""
         lines.append(f"| {h['nproc']} | {s['grid_s']:.0f} s | {s['guided_s']:.0f} s | {s['ratio']:.2f} | "
-                     f"{s['measured_by_guided']} / {s['skipped']} ({s.get('skipped_by_plan', '?')} + "
-                     f"{s['skipped'] - s.get('skipped_by_plan', 0)}) of {s['configs']} | {s['tuned_over_oracle']:.2f} |")
+                     f"{s['measured_by_guided']} / {s['skipped']}{split} of {s['configs']} | "
+                     f"{s['tuned_over_oracle']:.2f} |")
     geo = math.exp(statistics.fmean(math.log(max(h["search"]["tuned_over_oracle"], 1e-9)) for h in results["here"]))
     lines += ["", f"Geometric mean tuned / oracle: {geo:.2f}. Published figures "
                   f"({results['torchtitan']['source']}; calibrated on {results['torchtitan']['calibrated_on']}, "

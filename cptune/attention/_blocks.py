@@ -161,15 +161,11 @@ def _with_dense(tasks: list[Task], q_pos: torch.Tensor, k_pos: torch.Tensor, den
     return out
 
 
-def attends(q_pos: torch.Tensor, k_pos: torch.Tensor, docs: torch.Tensor | None, causal: bool,
-             window: Window | None) -> bool:
-    """Whether some query at ``q_pos`` attends some key at ``k_pos`` (one row group): exactly when :func:`plan`
-    without a dense mask gives a task. A run's queries see one unbroken stretch of keys (each query's interval
-    overlaps the next one's), so a pair of runs of one document is attended when that stretch meets the keys."""
-    return _meets(list(runs(q_pos, docs)), list(runs(k_pos, docs)), causal, window)
-
-
-def _meets(q_runs: list, k_runs: list, causal: bool, window: Window | None) -> bool:
+def _attends(q_runs: list, k_runs: list, causal: bool, window: Window | None) -> bool:
+    """Whether some query of ``q_runs`` attends some key of ``k_runs`` (:func:`runs` of one row group): exactly
+    when :func:`plan` without a dense mask gives a task. A run's queries see one unbroken stretch of keys (each
+    query's interval overlaps the next one's), so a pair of runs of one document is attended when that stretch
+    meets the keys."""
     left = window[0] if window is not None else math.inf
     right = 0 if causal else (window[1] if window is not None else math.inf)
     by_doc: dict[int, list[tuple[int, int]]] = {}
@@ -193,7 +189,7 @@ def needs(positions: torch.Tensor, docs: torch.Tensor | None, batch: int, causal
         spans = [list(runs(positions[r], ids)) for r in range(ring)]  # each rank's runs, found once per group
         for d in range(ring):
             for s in range(ring):
-                need[d][s] = need[d][s] or _meets(spans[d], spans[s], causal, window)
+                need[d][s] = need[d][s] or _attends(spans[d], spans[s], causal, window)
     return tuple(tuple(row) for row in need)
 
 

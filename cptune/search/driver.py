@@ -26,8 +26,8 @@ from .guide import Guide
 from .interrupts import Interrupts, SearchInterrupted
 from .measure import summarize, tokens_per_step
 from .memory import PRUNE_FACTOR, predict_peak
-from .records import DOMINATED_ATTR, INTERRUPTED, TrialRecord, dominated_reason, dominating, over_budget_reason, \
-    pruned_reason, record_from
+from .records import DOMINATED_ATTR, INTERRUPTED, TrialRecord, dominated_reason, dominating, fits, \
+    over_budget_reason, pruned_reason, record_from
 from .result import SearchResult
 from .settings import SearchSettings
 from .._space import config_from, config_key, invalid_reason, mesh_shapes
@@ -211,7 +211,7 @@ class _StudyRun:
             trial.set_user_attr("feasible", False)
             return study.tell(trial, state=state.FAIL)
         summary = summarize(per_rank, workload, config, self.baseline)
-        feasible = summary["peak_bytes"] * (1 + s.margin) <= s.budget  # worst rank, whole trial, plus the margin
+        feasible = fits(summary["peak_bytes"], s.budget, s.margin)  # worst rank, whole trial, plus the margin
         for k, v in summary.items():
             trial.set_user_attr(k, v)
         excess = float(summary["peak_bytes"] - s.budget) / s.budget

@@ -52,6 +52,13 @@ class TrialRecord:
 
 
 INTERRUPTED = "the search stopped during this trial"
+
+
+def fits(peak: int, budget: int, margin: float) -> bool:
+    """The feasibility rule: a worst peak x (1 + ``margin``) within ``budget``."""
+    return peak * (1 + margin) <= budget
+
+
 DOMINATED_ATTR = "dominated_by"
 """Trial attribute: the key of the measured configuration that makes this one not worth running (:func:`dominating`)."""
 
@@ -68,7 +75,7 @@ def dominating(config: CPConfig, ac: str | None, done: dict[str, optuna.trial.Fr
         t = done.get(config_key(config, less))
         if t is not None and t.state == optuna.trial.TrialState.COMPLETE:
             peak = t.user_attrs.get("peak_bytes")
-            if peak is not None and peak * (1 + margin) <= budget:
+            if peak is not None and fits(peak, budget, margin):
                 return t
     return None
 
@@ -100,7 +107,7 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
     feasible = a.get("feasible")
     peak = a.get("peak_bytes")
     if t.state == optuna.trial.TrialState.COMPLETE and budget is not None and peak is not None:
-        feasible = peak * (1 + margin) <= budget
+        feasible = fits(peak, budget, margin)
         reason = "" if feasible else over_budget_reason(peak, budget, margin)
     if t.state == optuna.trial.TrialState.COMPLETE:
         state = "ok" if feasible else "infeasible"
