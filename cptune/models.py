@@ -22,6 +22,7 @@ functions say which extra to install.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Iterable, Mapping
@@ -162,7 +163,7 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     model for training first, as :func:`prepare_for_training` does; ``dtype``: its compute dtype."""
     transformers = _transformers("model")
     device = torch.device(device)
-    with torch.device("meta"):
+    with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                               dtype=torch.float32)
     if weights is not None:
@@ -188,12 +189,42 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     return model
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Inside: every parameter a module registers goes to the meta device (nothing allocated, initializers run on
+    meta), every buffer is made where its module makes it, with its value (accelerate's ``init_empty_weights``
+    without buffers, the rule ``from_pretrained`` loads by). A model's buffers are what its ``__init__``
+    computes (rotary frequencies, embedding scales): built on meta they would have no value, and not every
+    transformers release's ``_init_weights`` computes them again (4.56 and 4.57 leave ``inv_freq`` as
+    uninitialized memory after ``to_empty``)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        held = module._parameters.get(name)
+        if held is not None and not held.is_meta:
+            kind = type(held)
+            extra = dict(held.__dict__)
+            module._parameters[name] = kind(held.to("meta"), requires_grad=held.requires_grad)
+            module._parameters[name].__dict__.update(extra)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
 @torch.no_grad()
 def _materialize(model: nn.Module, modules: list[nn.Module], device: torch.device, seed: int, unit: int) -> None:
-    """``modules``' own parameters and buffers on ``device``, initialized by the model's ``_init_weights`` from
-    a generator state that depends on (seed, unit) only; tied weights tied again."""
+    """``modules``' own parameters and buffers on ``device``: parameters initialized by the model's
+    ``_init_weights`` from a generator state that depends on (seed, unit) only, buffers holding the values the
+    modules computed when made (then ``_init_weights``', where it sets them); tied weights tied again."""
     for m in modules:
+        made = {name: b for name, b in m._buffers.items() if b is not None and not b.is_meta}
         m.to_empty(device=device, recurse=False)
+        for name, value in made.items():
+            m._buffers[name].copy_(value)
     if unit == 0 and hasattr(model, "tie_weights"):  # the root's: lm_head shares the embedding when tied
         model.tie_weights()
     torch.manual_seed(seed * 1_000_003 + unit)

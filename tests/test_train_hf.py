@@ -59,6 +59,16 @@ def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_che
     assert max(abs(x - y) for x, y in zip(a["losses"] + b["losses"], one["losses"])) <= 1e-5, (a, b, one)
 
 
+def test_the_same_run_twice_gives_the_same_losses(tmp_path):
+    """Uninitialized memory anywhere in the built model (rotary frequencies on transformers 4.56-4.57 once were)
+    changes a run's losses from one process to the next, or makes them NaN: two runs must agree to the bit."""
+    for name in ("a.json", "b.json"):
+        run([sys.executable, SCRIPT, "--model", str(MODEL), "--seq-len", "64", "--batch", "2", "--steps", "2",
+             "--losses-out", name], tmp_path)
+    a, b = losses(tmp_path / "a.json")["losses"], losses(tmp_path / "b.json")["losses"]
+    assert len(a) == 2 and all(x == x for x in a) and a == b, (a, b)
+
+
 def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
     search = [sys.executable, "-m", "cptune", "search", "--model", str(MODEL), "--model-override",
               "num_hidden_layers=1", "--seq-len", "256", "--documents", "4", "--nproc", "2", "--memory-budget", "4GiB",
