@@ -12,6 +12,7 @@ rank 0 consolidating them into whole tensors, as ``save_pretrained`` lays them o
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -44,7 +45,11 @@ class Stored:
 
 
 def _header(path: Path, argument: str) -> dict:
-    """A safetensors file's header (its JSON table of tensors), read without reading any tensor."""
+    """A safetensors file's header (its JSON table of tensors), read without reading any tensor, and checked
+    against the file: every tensor's bytes where the header says, of the size its dtype and shape take, inside
+    the file (a file cut short, or a header that lies about its offsets, is refused here by name, not by the
+    reader in the middle of a load)."""
+    fix = "copy the file again from its source, or save the model again with save_pretrained (safetensors)"
     try:
         with open(path, "rb") as f:
             size = struct.unpack("<Q", f.read(8))[0]
@@ -57,8 +62,31 @@ def _header(path: Path, argument: str) -> dict:
         raise ValidationError([Problem(argument, f"{path}: not a safetensors file ({exc})",
                                        "save the model again with save_pretrained (safetensors)")]) from None
     header.pop("__metadata__", None)
+    data = path.stat().st_size - 8 - size
+    end = 0
+    for key, entry in header.items():
+        shape, offsets = entry.get("shape"), entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValidationError([Problem(argument, f"{path}: the header's entry for {key} is not a safetensors "
+                                           "tensor (dtype, shape, data_offsets)", fix)])
+        dtype = _DTYPES.get(entry.get("dtype"))
+        if dtype is not None and offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+            raise ValidationError([Problem(argument, f"{path}: the header gives {key} ({entry['dtype']} "
+                                           f"{shape}) {offsets[1] - offsets[0]} bytes, its shape takes "
+                                           f"{math.prod(shape) * dtype.itemsize}", fix)])
+        end = max(end, offsets[1])
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], k) for k, e in header.items())
+    for (_, first_end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < first_end:
+            raise ValidationError([Problem(argument, f"{path}: the header places {second} inside the bytes of "
+                                           f"{first}", fix)])
+    if end > data:
+        raise ValidationError([Problem(argument, f"{path}: cut short: its header places tensors up to byte {end} of "
+                                       f"the data, the file holds {max(data, 0)} (an interrupted copy or download)",
+                                       fix)])
     return header
-
 
 def stored_tensors(folder: str | Path, argument: str = "weights") -> dict[str, Stored]:
     """Every tensor of the safetensors checkpoint in ``folder``: name -> file, dtype, shape. Refuses, naming
@@ -103,8 +131,20 @@ def stored_tensors(folder: str | Path, argument: str = "weights") -> dict[str, S
     tensors: dict[str, Stored] = {}
     for path in files:
         for key, entry in _header(path, argument).items():
+            if key in tensors:
+                problems.append(Problem(argument, f"{key} is stored twice, in {tensors[key].file} and {path.name}",
+                                        "keep one checkpoint per folder: remove the files of another save (an "
+                                        "older model.safetensors beside model-0000i-of-0000n files, say)"))
             tensors[key] = Stored(path.name, _DTYPES.get(entry.get("dtype"), entry.get("dtype")),
                                   tuple(entry.get("shape", ())))
+    if index.is_file():
+        wrong = [f"{key} (in {tensors[key].file if key in tensors else 'no file'})"
+                 for key, file in weight_map.items() if key not in tensors or tensors[key].file != file]
+        if wrong:
+            problems.append(Problem(argument, f"{index} places {len(wrong)} tensor(s) in a file that does not hold "
+                                    f"them: {', '.join(wrong[:4])}", "save the model again with save_pretrained "
+                                    "(the index and the files it names come from one save)"))
+    raise_if(problems[:8])
     return tensors
 
 
@@ -145,15 +185,41 @@ def weight_problems(model: nn.Module, tensors: dict[str, Stored], argument: str 
     return problems[:8]
 
 
-def load_weights(model: nn.Module, folder: str | Path, tensors: dict[str, Stored]) -> None:
+def load_weights(model: nn.Module, folder: str | Path, tensors: dict[str, Stored],
+                 argument: str = "weights") -> None:
     """Read ``folder``'s tensors into ``model``'s parameters and buffers (its shards, under FSDP2), each rank
     the slices it keeps. Collective under a process group: call on every rank."""
     import torch.distributed.checkpoint as dcp
 
     tied = _tied(model)
     state = {k: v for k, v in model.state_dict().items() if k not in tied and k in tensors}
-    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(Path(folder).expanduser())),
-             no_dist=not _distributed())
+    quiet = _QuietCheckpointLog()  # DCP logs each reader failure's traceback to the root logger, then raises
+    logging.getLogger().addFilter(quiet)
+    try:
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(Path(folder).expanduser())),
+                 no_dist=not _distributed())
+    except dcp.api.CheckpointException as exc:  # a BaseException: named here, the one place DCP reads weights
+        raise ValidationError([Problem(argument, f"{folder}: reading the tensors failed on rank(s) "
+                                       f"{sorted(exc.failures)}: {_first_failure(exc)}", "copy the checkpoint "
+                                       "again from its source, or save the model again with save_pretrained")]) \
+            from None
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+class _QuietCheckpointLog(logging.Filter):
+    """Drops DCP's own warnings (with their tracebacks) while cptune loads: a failure is said once, as cptune's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "distributed/checkpoint" not in record.pathname.replace("\\", "/") or record.levelno > logging.WARNING
+
+
+def _first_failure(exc) -> str:
+    """The first rank's failure of a DCP CheckpointException, as one line (not DCP's traceback)."""
+    failure = next(iter(exc.failures.values()), None)
+    error = failure[0] if isinstance(failure, tuple) else failure  # (exception, its traceback summary)
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _distributed() -> bool:

@@ -2,6 +2,8 @@
 ``save_pretrained`` writes, exported back to one that ``from_pretrained`` loads; bad checkpoints refused by name."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cptune
-from cptune import models
+from cptune import _weights, models
 
 transformers = pytest.importorskip("transformers")
 
@@ -165,6 +167,84 @@ def test_bad_checkpoints_are_refused_by_name_before_any_tensor_is_read(tmp_path,
     del state["model.norm.weight"]
     save_file(state, str(partial / "model.safetensors"))
     _problem(partial, r"weights: 1 tensor\(s\) of the model are not in the checkpoint: model.norm.weight")
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """``path``'s safetensors header changed by ``change(header)``, its tensor bytes kept."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    change(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+def test_every_kind_of_damaged_checkpoint_is_named_with_its_file_before_any_tensor_is_read(tmp_path, checkpoint):
+    """A file cut short, headers that lie about offsets, an index that places tensors in the wrong file, a tensor
+    in two shards, a config without weights, weights without a config; and what still fails only while DCP reads
+    (a file cut after the check) is cptune's named error, not DCP's CheckpointException (a BaseException)."""
+    folder, _ = checkpoint
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+
+    def copy(name):
+        dest = tmp_path / name
+        shutil.copytree(folder, dest)
+        return dest
+
+    cut = copy("cut")
+    data = (cut / shards[0]).read_bytes()
+    (cut / shards[0]).write_bytes(data[: len(data) - 100])
+    _problem(cut, rf"weights: .*{shards[0]}: cut short: its header places tensors up to byte \d+ of the data, the "
+             r"file holds \d+.*Fix: copy the file again")
+
+    def first_key(header):
+        return next(k for k in header if k != "__metadata__")
+
+    wrong_size = copy("wrong-size")
+    _rewrite_header(wrong_size / shards[0],
+                    lambda h: h[first_key(h)]["data_offsets"].__setitem__(1, h[first_key(h)]["data_offsets"][1] - 2))
+    _problem(wrong_size, rf"weights: .*{shards[0]}: the header gives .* bytes, its shape takes \d+")
+
+    def overlap(header):
+        spans = sorted((e["data_offsets"], k) for k, e in header.items() if k != "__metadata__")
+        (a, _), (b, key) = spans[0], spans[1]
+        length = b[1] - b[0]
+        header[key]["data_offsets"] = [a[0], a[0] + length] if length <= a[1] - a[0] else [b[0] - 2, b[1] - 2]
+
+    overlapping = copy("overlap")
+    _rewrite_header(overlapping / shards[0], overlap)
+    _problem(overlapping, rf"weights: .*{shards[0]}: the header places .* inside the bytes of ")
+
+    misplaced = copy("misplaced")
+    moved = next(k for k, f in index["weight_map"].items() if f == shards[0])
+    (misplaced / "model.safetensors.index.json").write_text(json.dumps(
+        {**index, "weight_map": {**index["weight_map"], moved: shards[1]}}))
+    _problem(misplaced, rf"weights: .*index.json places 1 tensor\(s\) in a file that does not hold them: "
+             rf"{re.escape(moved)} \(in {shards[0]}\)")
+
+    from safetensors.torch import save_file
+
+    twice = copy("twice")
+    save_file({moved: torch.zeros(1)}, str(twice / "model.safetensors"))
+    _problem(twice, rf"weights: {re.escape(moved)} is stored twice, in .* and .*Fix: keep one checkpoint per folder")
+
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(folder / "config.json", config_only)
+    _problem(config_only, r"weights: .*config-only: no \*.safetensors weights there")
+    weights_only = copy("weights-only")
+    (weights_only / "config.json").unlink()
+    with pytest.raises(cptune.ValidationError, match=r"model: .*weights-only: no config.json there.*Fix:"):
+        models.load_config(weights_only)
+
+    late = copy("late")  # checked whole, then cut before DCP reads it
+    model = transformers.AutoModelForCausalLM.from_config(models.load_config(MODEL))
+    tensors = _weights.stored_tensors(late)
+    (late / shards[0]).write_bytes((late / shards[0]).read_bytes()[:200])
+    with pytest.raises(cptune.ValidationError, match=r"weights: .*late: reading the tensors failed on rank\(s\) "
+                       r"\[0\]: .*Fix: copy the checkpoint again"):
+        _weights.load_weights(model, late, tensors)
 
 
 def test_an_unknown_model_type_and_an_existing_export_folder_are_refused(tmp_path):
