@@ -241,6 +241,8 @@ class Number(_Fixed, click.FloatRange):
         number = super().convert(value, param, ctx)
         if number != number:  # nan passes every comparison click makes
             self.fail(f"{value!r} is not a number. Fix: {self.fix}", param, ctx)
+        if number in (float("inf"), float("-inf")):
+            self.fail(f"{value!r} is not finite. Fix: {self.fix}", param, ctx)
         return number
 
 
@@ -273,3 +275,25 @@ def in_flags(exc: CPTuneError, command: click.Command | None) -> CPTuneError:
         return argument
 
     return ValidationError([Problem(flag(p.argument), p.message, p.fix) for p in exc.problems])
+
+
+def refuse(ctx: click.Context, exc: CPTuneError, command: click.Command | None) -> None:
+    """A library error as this command's one error line (its Python names said as flags), exit code 1."""
+    click.secho(f"error: {in_flags(exc, command)}", fg="red", err=True)
+    ctx.exit(1)
+
+
+class Script(click.Command):
+    """A training script's command (the ones recipes launch): click checks each option, and a
+    :class:`~cptune.CPTuneError` raised while the script checks its inputs or trains is its one error line naming
+    the flag, exit 1, as ``cptune``'s own commands say it. The same script runs under python and torchrun."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except CPTuneError as exc:
+            refuse(ctx, exc, self)
+
+
+FINITE_RATE = Number(0, above=True, fix="give a finite number above 0, e.g. 1e-3")
+"""A learning rate: finite and above 0."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from ._cli_types import COUNT, ENDPOINT, FOLDER, NAME, RECIPE, STORAGE, Whole, in_flags
+from ._cli_types import COUNT, ENDPOINT, FOLDER, NAME, RECIPE, STORAGE, Whole, refuse
 from .errors import CPTuneError, Problem, ValidationError
 from ._console import print_result
 from ._sizes import format_size
@@ -33,9 +33,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except CPTuneError as exc:  # the library names Python arguments; here they become this command's flags
-            command = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
-            click.secho(f"error: {in_flags(exc, command)}", fg="red", err=True)
-            ctx.exit(1)
+            refuse(ctx, exc, self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None)
         except KeyboardInterrupt:  # Ctrl-C where no command holds it: the shell's code, not click's "Aborted!"
             click.echo("\ncptune: interrupted", err=True)
             ctx.exit(130)

@@ -161,11 +161,8 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     safetensors folder (``save_pretrained``'s), checked against the config before any tensor is read, then
     read into each rank's shards (bf16/fp16 files into float32). ``ac`` (none, full, selective) prepares the
     model for training first, as :func:`prepare_for_training` does; ``dtype``: its compute dtype."""
-    transformers = _transformers("model")
     device = torch.device(device)
-    with _parameters_on_meta():
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                              dtype=torch.float32)
+    model = _empty_model(config)
     if weights is not None:
         tensors = _weights.stored_tensors(weights)
         raise_if(_weights.weight_problems(model, tensors))
@@ -187,6 +184,19 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     if fsdp_mesh is None and dtype != torch.float32:
         model.to(dtype)
     return model
+
+
+def _empty_model(config) -> nn.Module:
+    """``config``'s causal LM, its parameters on the meta device, its buffers made."""
+    transformers = _transformers("model")
+    with _parameters_on_meta():
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def check_weights(config, weights: str | Path, argument: str = "weights") -> None:
+    """Refuse, by name and before any tensor is read or any rank starts, a safetensors folder that
+    :func:`build_model` would refuse for ``config`` (damaged files, missing tensors, other shapes or dtypes)."""
+    raise_if(_weights.weight_problems(_empty_model(config), _weights.stored_tensors(weights, argument), argument))
 
 
 @contextlib.contextmanager
@@ -312,5 +322,5 @@ def _prepare(model: nn.Module, ac: str, compile: bool) -> None:
 check_export = _weights.check_export
 export_model = _weights.export_model
 
-__all__ = ["attention_shape", "build_model", "check_export", "config_path", "decoder_layers", "export_model",
-           "load_config", "model_workload", "parse_overrides", "prepare_for_training"]
+__all__ = ["attention_shape", "build_model", "check_export", "check_weights", "config_path", "decoder_layers",
+           "export_model", "load_config", "model_workload", "parse_overrides", "prepare_for_training"]

@@ -19,16 +19,19 @@ writes the trained model as a folder ``from_pretrained`` loads.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
+from types import SimpleNamespace
 
+import click
 import torch
 
 import cptune
 import cptune.hf
 from cptune import models
+from cptune.errors import Problem, ValidationError
+from cptune.examples import _options as options
 
 
 class Documents(torch.utils.data.Dataset):
@@ -62,36 +65,53 @@ def _sequential_trainer():
     return Sequential
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="Model directory or config.json (default: the recipe's)")
-    parser.add_argument("--model-override", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--recipe", default=None, help="Recipe (default: $CPTUNE_RECIPE)")
-    parser.add_argument("--plain", action="store_true", help="transformers.Trainer, one process (the reference)")
-    parser.add_argument("--replicas", type=int, default=1, help="With --plain: the dp replicas to stand in for")
-    parser.add_argument("--unpacked", type=int, default=None, metavar="SEQ_LEN", help="Fixed-length rows, no packing")
-    parser.add_argument("--per-device-batch", type=int, default=4)
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--output-dir", default="trainer-out")
-    parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
-                        help="Under torchrun: the model built sharded by FSDP2 (cptune.models.build_model), trained "
-                             "through the Trainer's fsdp arguments (else whole on every rank, DDP)")
-    parser.add_argument("--out", default=None, help="Write the losses and final parameters here (torch.save)")
-    args = parser.parse_args()
+@click.command(cls=options.Script, help=__doc__.split("\n")[0])
+@options.model
+@options.model_override
+@options.recipe
+@click.option("--plain", is_flag=True, help="transformers.Trainer, one process (the reference).")
+@click.option("--replicas", type=options.COUNT, default=None,
+              help="With --plain: the dp replicas to stand in for [default: 1].")
+@click.option("--unpacked", type=options.COUNT, default=None, metavar="SEQ_LEN", help="Fixed-length rows, no packing.")
+@click.option("--per-device-batch", type=options.COUNT, default=4, show_default=True,
+              help="Documents (or rows) per step.")
+@click.option("--grad-accum", type=options.COUNT, default=1, show_default=True, help="Gradient accumulation steps.")
+@options.steps(3)
+@click.option("--output-dir", type=options.FOLDER, default="trainer-out", show_default=True,
+              help="The Trainer's folder.")
+@click.option("--fsdp/--no-fsdp", default=True, show_default=True,
+              help="Under torchrun: the model built sharded by FSDP2 (cptune.models.build_model), trained through "
+                   "the Trainer's fsdp arguments (else whole on every rank, DDP).")
+@click.option("--out", type=options.OutputFile(), default=None,
+              help="Write the losses and final parameters here (torch.save).")
+def main(**given) -> None:
+    train(checked(**given))
+    cptune.close_rank()  # after training: its model and meshes dropped, the groups are freed now, not at teardown
 
+
+def checked(model, model_overrides, recipe_path, plain, replicas, **rest) -> SimpleNamespace:
+    """Every option read and checked together, before any rank starts or a model is built."""
+    if replicas is not None and not plain:
+        raise ValidationError([Problem("replicas", "is read only with --plain (under torchrun the recipe's dp "
+                                       "replicas are the ranks')", "add --plain, or drop --replicas")])
+    recipe = options.read_recipe(recipe_path)
+    path = model or (recipe.workload.model if recipe else None)
+    if path is None:
+        raise ValidationError([Problem("model", "no model given", "give --model PATH, or a recipe from cptune "
+                                       "search --model")])
+    overrides = models.parse_overrides(model_overrides) if model_overrides else (
+        recipe.workload.model_overrides if recipe else None)
+    return SimpleNamespace(**rest, recipe=recipe, plain=plain, replicas=replicas or 1,
+                           config=models.load_config(path, overrides))
+
+
+def train(args: SimpleNamespace) -> None:
     import transformers
 
     Sequential = _sequential_trainer()
     if "RANK" not in os.environ:
         torch.set_num_threads(1)
-    recipe = cptune.load_recipe(args.recipe or os.environ["CPTUNE_RECIPE"]) if (
-        args.recipe or os.environ.get("CPTUNE_RECIPE")) else None
-    path = args.model or (recipe.workload.model if recipe else None)
-    if path is None:
-        raise SystemExit("give --model PATH, or a recipe from cptune search --model")
-    overrides = models.parse_overrides(args.model_override) or (recipe.workload.model_overrides if recipe else None)
-    config = models.load_config(path, overrides)
+    recipe, config = args.recipe, args.config
     fsdp_mesh, device = None, "cpu"
     if "RANK" in os.environ and args.fsdp:  # sharded as it is built: no rank holds the whole model
         from torch.distributed.device_mesh import init_device_mesh
@@ -130,4 +150,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

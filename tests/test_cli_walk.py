@@ -35,6 +35,38 @@ def _commands(group: click.Group, prefix: tuple[str, ...] = ()):
             yield (*prefix, name), cmd
 
 
+def _scripts() -> dict[str, click.Command]:
+    """Every training script that ships (cptune.examples, which recipes launch) or sits in examples/: its click
+    command, found from the files, not from a list (a script that is not a click command fails the walk)."""
+    import importlib
+    import importlib.util
+    import pkgutil
+
+    import cptune.examples
+
+    found: dict[str, click.Command] = {}
+    modules = [importlib.import_module(f"cptune.examples.{m.name}")
+               for m in pkgutil.iter_modules(cptune.examples.__path__) if not m.name.startswith("_")]
+    for path in sorted((ROOT / "examples").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"_walked_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        modules.append(module)
+    for module in modules:
+        command = getattr(module, "main", None)
+        assert isinstance(command, click.Command), f"{module.__file__}: its options are not a click command (main)"
+        if command not in found.values():  # examples/train_hf.py runs cptune.examples.train_hf's
+            found[Path(module.__file__).name] = command
+    return found
+
+
+SCRIPTS = _scripts()
+SCRIPT_BASES = {"train_hf.py": ["--model", str(MODEL), "--seq-len", "64", "--steps", "1"],
+                "train_llama_cp.py": ["--seq-len", "256", "--steps", "1"], "vit_noncausal.py": ["--steps", "1"],
+                "train_hf_trainer.py": ["--model", str(MODEL), "--steps", "1"], "cp_example.py": ["--seq-len", "256"]}
+"""A valid call of each script (the walk runs it as the second of two torchrun ranks)."""
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, str]:
     """Files the bad values point at: kept apart from the folder each call runs in."""
@@ -164,6 +196,16 @@ def _walk_cases(inputs):
                 yield path, cmd, param, value, [*path, *with_value(bases[path], cmd, param, value)]
 
 
+def _script_cases(inputs):
+    for name, cmd in SCRIPTS.items():
+        assert name in SCRIPT_BASES, f"{name}: give the walk a valid call of it (SCRIPT_BASES)"
+        for param in cmd.params:
+            if param.name == "help":
+                continue
+            for value in bad_values(param, inputs):
+                yield name, cmd, param, value, with_value(SCRIPT_BASES[name], cmd, param, value)
+
+
 @pytest.fixture
 def tripwire(monkeypatch):
     """No rank, torchrun or probe is started: a call that gets that far raises Started."""
@@ -174,8 +216,20 @@ def tripwire(monkeypatch):
     def started(*args, **kwargs):
         raise Started("would start processes")
 
+    import cptune.models
+
     monkeypatch.setattr(cptune.launch.WorkerGroup, "start", started)
     monkeypatch.setattr(subprocess, "call", started)
+    monkeypatch.setattr(cptune, "init_rank", started)  # a training script got past its checks
+    monkeypatch.setattr(cptune.models, "build_model", started)
+    monkeypatch.delenv("CPTUNE_RECIPE", raising=False)
+
+
+@pytest.fixture
+def rank_one(tripwire, monkeypatch):
+    """A training script's call as the second of two torchrun ranks would make it (no rank is started)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
 
 
 @pytest.fixture
@@ -189,12 +243,12 @@ def workdir(tmp_path) -> Path:
     return where
 
 
-def _call(args: list[str], where: Path):
+def _call(args: list[str], where: Path, command: click.Command = main):
     before = sorted(p.name for p in where.iterdir())
     old = os.getcwd()
     os.chdir(where)
     try:
-        result = CliRunner().invoke(main, args, catch_exceptions=True)
+        result = CliRunner().invoke(command, args, catch_exceptions=True)
     except Started as exc:  # a BaseException: no handler of cptune's can take it for a refusal
         result = SimpleNamespace(exception=exc, exit_code=None, output="")
     finally:
@@ -240,6 +294,61 @@ def test_every_option_of_every_command_refuses_bad_values_by_name(inputs, tripwi
     assert not failures, f"{len(failures)} of {count} calls were not clean refusals:\n" + "\n".join(failures)
 
 
+def test_every_option_of_every_training_script_refuses_bad_values_by_name(inputs, rank_one, workdir, capsys):
+    failures, count, options = [], 0, set()
+    for name, cmd, param, value, args in _script_cases(inputs):
+        count += 1
+        options.add((name, param.name))
+        result, written = _call(args, workdir, cmd)
+        why = _verdict(result, written, _names(param))
+        if why:
+            failures.append(f"{name} {' '.join(args)}\n    -> {why}")
+    with capsys.disabled():
+        print(f"\nscript walk: {count} (script, option, value) cases over {len(options)} options of {len(SCRIPTS)} "
+              "scripts")
+    assert not failures, f"{len(failures)} of {count} calls were not clean refusals:\n" + "\n".join(failures)
+
+
+SCRIPT_CONFLICTS = [  # values of the right kind that cannot work together, each with the flag its error must name
+    ("train_hf.py", ["--resume"], "--resume"),
+    ("train_hf.py", ["--save-every", "2"], "--save-every"),
+    ("train_hf.py", ["--eos-id", "2"], "--eos-id"),
+    ("train_hf.py", ["--documents", "1000"], "--documents"),
+    ("train_hf.py", ["--batch", "3", "--recipe", str(RECIPE)], "--batch"),  # dp 2
+    ("train_hf.py", ["--weights"], "--weights"),
+    ("train_hf.py", ["--data", "{tokens_out_of_vocab}"], "--data"),
+    ("train_hf.py", ["--data", "{not_token_lines}"], "--data"),
+    ("train_llama_cp.py", ["--documents", "3", "--seq-len", "256"], "--documents"),
+    ("vit_noncausal.py", ["--patch", "7"], "--patch"),
+    ("train_hf_trainer.py", ["--replicas", "2"], "--replicas"),
+]
+
+
+@pytest.mark.parametrize("script,extra,flag", SCRIPT_CONFLICTS,
+                         ids=[f"{s} {' '.join(e)}" for s, e, _ in SCRIPT_CONFLICTS])
+def test_script_options_that_cannot_work_together_are_refused_by_name(script, extra, flag, rank_one, workdir):
+    data = workdir.parent / "data"
+    data.mkdir()
+    (data / "ids.jsonl").write_text('{"input_ids": [1, 2, 100000]}\n')
+    (data / "text.jsonl").write_text('{"text": "words, not token ids"}\n')
+    extra = [x.format(tokens_out_of_vocab=data / "ids.jsonl", not_token_lines=data / "text.jsonl") for x in extra]
+    result, written = _call([*SCRIPT_BASES[script], *extra], workdir, SCRIPTS[script])
+    assert _verdict(result, written, [flag]) is None, result.output
+
+
+@pytest.mark.parametrize("script,args,said", [
+    ("train_hf.py", ["--steps", "0"], "Invalid value for '--steps': 0 is not in the range x>=1"),
+    ("train_hf.py", ["--lr", "nan"], "Invalid value for '--lr': 'nan' is not a number"),
+    ("train_hf.py", ["--data", "missing.jsonl"], "Invalid value for '--data': File 'missing.jsonl' does not exist"),
+    ("train_hf.py", ["--resume"], "--resume: needs --checkpoint-dir"),
+    ("train_hf_trainer.py", ["--grad-accum", "0"], "Invalid value for '--grad-accum': 0 is not in the range x>=1")])
+def test_the_five_script_calls_found_by_hand_are_refused_by_name(script, args, said, rank_one, workdir):
+    """The five calls that answered with a message not naming the option, torch's ValueError, a bare
+    FileNotFoundError, a silent fresh start, and a ZeroDivisionError."""
+    result, written = _call([*SCRIPT_BASES[script], *args], workdir, SCRIPTS[script])
+    assert _verdict(result, written, [args[0]]) is None and said in result.output, result.output
+
+
 @pytest.mark.parametrize("args,flag", CONFLICTS, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CONFLICTS])
 def test_documented_conflicts_are_refused_by_name(args, flag, tripwire, tmp_path):
     result, written = _call(list(args), tmp_path)
@@ -258,6 +367,16 @@ def test_the_walk_covers_every_option_and_tries_each_base_call_cleanly(inputs, t
             continue  # no study to report on here
         result, _ = _call([*path, *args], workdir)
         assert isinstance(result.exception, Started) or result.exit_code == 0, (path, result.output)
+
+
+
+def test_each_scripts_valid_call_gets_past_its_checks(inputs, rank_one, workdir):
+    """The scripts' refusals above are the bad value's, not the base call's."""
+    for name, cmd in SCRIPTS.items():
+        for param in cmd.params:
+            bad_values(param, inputs)
+        result, _ = _call(SCRIPT_BASES[name], workdir, cmd)
+        assert isinstance(result.exception, Started), (name, result.output)
 
 
 @pytest.mark.parametrize("case", ["not-json", "unknown-type", "zero-dims", "override-type", "heads-with-model"])

@@ -33,37 +33,76 @@ loss equals the one-process run's (float32: within 1e-5; ``--losses-out`` writes
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import resource
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import torch
 import torch.distributed as dist
 
 import cptune
 from cptune import models
+from cptune.errors import Problem, ValidationError, raise_if
+from cptune.examples import _options as options
 
 
-def read_documents(path: str, eos_id: int | None) -> list[torch.Tensor]:
-    """Token-id documents from a .jsonl (one {"input_ids": [...]} per line) or a .npy file."""
+def read_documents(path: str, eos_id: int | None, vocab: int) -> list[torch.Tensor]:
+    """Token-id documents from a .jsonl (one {"input_ids": [...]} per line) or a .npy file, each checked: ids are
+    integers in [0, vocab), and there is at least one token. A file that does not read is named with its line."""
+    problem = functools.partial(Problem, "data")
     if path.endswith(".jsonl"):
-        with open(path) as f:
-            return [torch.tensor(json.loads(line)["input_ids"], dtype=torch.long) for line in f if line.strip()]
-    if path.endswith(".npy"):
+        documents = []
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    ids = json.loads(line)["input_ids"]
+                    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                          for i in ids)):
+                        raise TypeError("input_ids is not a list of integers")
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    what = "not JSON" if isinstance(exc, json.JSONDecodeError) else \
+                        "no input_ids" if isinstance(exc, KeyError) else str(exc)
+                    raise ValidationError([problem(f"{path}, line {number}: {what}", 'give one {"input_ids": '
+                                                   '[1, 2, ...]} per line')]) from None
+                documents.append(torch.tensor(ids, dtype=torch.long))
+    elif path.endswith(".npy"):
         import numpy as np
 
-        array = torch.from_numpy(np.load(path)).long()
+        try:
+            array = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise ValidationError([problem(f"{path}: not a .npy array ({str(exc).splitlines()[0][:120]})",
+                                           "save the token ids with numpy.save")]) from None
+        if array.dtype.kind not in "iu" or array.ndim not in (1, 2):
+            raise ValidationError([problem(f"{path}: a {array.ndim}-D array of {array.dtype}", "give a 1-D token "
+                                           "stream or a 2-D array of documents, of integer token ids")])
+        array = torch.from_numpy(array.astype(np.int64))
         if array.ndim == 2:
-            return list(array)
-        if eos_id is None:
-            return [array]
-        ends = (array == eos_id).nonzero().flatten().tolist()
-        return [d for d in torch.tensor_split(array, [e + 1 for e in ends]) if len(d)]
-    raise SystemExit(f"--data {path}: give a .jsonl or .npy file of token ids")
+            documents = list(array)
+        elif eos_id is None:
+            documents = [array]
+        else:
+            ends = (array == eos_id).nonzero().flatten().tolist()
+            documents = [d for d in torch.tensor_split(array, [e + 1 for e in ends]) if len(d)]
+    else:
+        raise ValidationError([problem(f"{path}: neither .jsonl nor .npy", "give a .jsonl or .npy file of token "
+                                       "ids")])
+    if not sum(len(d) for d in documents):
+        raise ValidationError([problem(f"{path}: no tokens in it", "give a file with at least one document")])
+    low, high = min(int(d.min()) for d in documents if len(d)), max(int(d.max()) for d in documents if len(d))
+    if low < 0 or high >= vocab:
+        raise ValidationError([problem(f"{path}: token ids from {low} to {high}, the model's vocabulary is [0, "
+                                       f"{vocab})", "tokenize with the model's tokenizer, or give a model whose "
+                                       "vocab_size holds these ids")])
+    return documents
 
 
 def synthetic_documents(count: int, lengths: list[int], vocab: int, seed: int = 0) -> list[torch.Tensor]:
@@ -81,8 +120,6 @@ def synthetic_documents(count: int, lengths: list[int], vocab: int, seed: int = 
 
 def pack(documents: list[torch.Tensor], seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` sequences of ``seq_len`` tokens and their document ids, cycling over the documents."""
-    if not documents or not sum(len(d) for d in documents):
-        raise SystemExit("no tokens to train on")
     tokens, ids, doc, i = [], [], 0, 0
     while len(tokens) < count * seq_len:
         d = documents[i % len(documents)]
@@ -131,62 +168,80 @@ def resume(folder: Path, model, optimizer, scheduler) -> int:
     return trainer["step"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--recipe", default=None, help="Recipe file (default: $CPTUNE_RECIPE, else no CP)")
-    parser.add_argument("--model", default=None, help="Model directory or config.json (default: the recipe's)")
-    parser.add_argument("--model-override", action="append", default=None, metavar="KEY=VALUE",
-                        help="Change the model's config (repeatable; default: the recipe's)")
-    parser.add_argument("--weights", action="store_true", help="Load weights from the --model directory")
-    parser.add_argument("--data", default=None, help=".jsonl or .npy of token ids (default: synthetic)")
-    parser.add_argument("--eos-id", type=int, default=None, help="Token ending a document in a 1-D .npy")
-    parser.add_argument("--documents", default=None, metavar="SPEC",
-                        help="Synthetic documents per sequence: 8 (equal), longtail, or lengths (default: the "
-                             "recipe's, else one per sequence)")
-    parser.add_argument("--seq-len", type=int, default=None, help="Default: the recipe's, else 256")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="Global batch, split over dp replicas (default: as the recipe was measured, else 2)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup", type=int, default=2, help="Steps of linear LR warm-up")
-    parser.add_argument("--ac", choices=["none", "full", "selective"], default=None,
-                        help="Activation checkpointing (default: as the recipe was measured, else none)")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile each decoder layer (default: as the recipe was measured)")
-    parser.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
-                        help="FSDP2 over every rank when launched on several (else gradients averaged by hand)")
-    parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--save-every", type=int, default=0, help="Save every N steps (0: at the end only)")
-    parser.add_argument("--resume", action="store_true", help="Continue from the newest checkpoint")
-    parser.add_argument("--losses-out", default=None, help="Write the per-step losses here (JSON)")
-    parser.add_argument("--export", default=None, metavar="DIR",
-                        help="After training, write the model as a Hugging Face folder (safetensors + config.json) "
-                             "that from_pretrained loads; DIR must not exist")
-    parser.add_argument("--export-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="dtype of the exported weights (default: float32, the master weights)")
-    args = parser.parse_args()
+@click.command(cls=options.Script, help=__doc__.split("\n")[0])
+@options.recipe
+@options.model
+@options.model_override
+@click.option("--weights", is_flag=True, help="Load weights from the --model directory (its safetensors).")
+@click.option("--data", type=options.InputFile(fix="give a .jsonl or .npy file of token ids"), default=None,
+              help=".jsonl or .npy of token ids (default: synthetic).")
+@click.option("--eos-id", type=options.Whole(0), default=None, help="Token ending a document in a 1-D .npy.")
+@options.documents
+@options.seq_len
+@options.batch
+@options.steps(5)
+@options.lr(1e-3)
+@click.option("--warmup", type=options.Whole(0), default=2, show_default=True, help="Steps of linear LR warm-up.")
+@options.ac
+@options.compile_
+@click.option("--fsdp/--no-fsdp", default=True, show_default=True,
+              help="FSDP2 over every rank when launched on several (else gradients averaged by hand).")
+@click.option("--checkpoint-dir", type=options.FOLDER, default=None, help="Save checkpoints here (DCP).")
+@click.option("--save-every", type=options.Whole(0), default=0, show_default=True,
+              help="Save every N steps (0: at the end).")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --checkpoint-dir.")
+@options.losses_out
+@click.option("--export", type=options.FOLDER, default=None, metavar="DIR",
+              help="After training, write the model as a Hugging Face folder (safetensors + config.json) that "
+                   "from_pretrained loads; DIR must not exist.")
+@click.option("--export-dtype", type=options.OneOf(["float32", "bfloat16", "float16"]), default="float32",
+              show_default=True,
+              help="dtype of the exported weights.")
+def main(**given) -> None:
+    train(checked(**given))
+    cptune.close_rank()  # after training: its model and meshes dropped, the groups are freed now, not at teardown
 
-    distributed = "RANK" in os.environ
-    device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
 
-    recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
-    recipe = cptune.load_recipe(recipe_path) if recipe_path else None
+def checked(recipe_path, model, model_overrides, weights, data, eos_id, documents, seq_len, batch, ac, compile_,
+            checkpoint_dir, resume, save_every, export, **rest) -> SimpleNamespace:
+    """Every option read and checked together, before any rank starts or a model is built."""
+    recipe = options.read_recipe(recipe_path)
     w = recipe.workload if recipe else cptune.Workload(seq_len=256, batch=2)
     config = recipe.config if recipe else cptune.CPConfig()
+    world = options.world_size()
     dp, cp = config.resolve_mesh_shape(world)
-    path = args.model or w.model
+    batch = batch or (dp * w.batch if recipe else 2)
+    options.check_batch(batch, config, world)
+    path = model or w.model
     if path is None:
-        raise SystemExit("give --model PATH (a model directory or config.json), or a recipe from cptune search --model")
-    overrides = models.parse_overrides(args.model_override) if args.model_override is not None \
-        else dict(w.model_overrides or {})
-    seq_len = args.seq_len or w.seq_len
-    batch = args.batch or (dp * w.batch if recipe else 2)
-    ac = args.ac or w.ac
-    compile_ = w.compile if args.compile is None else args.compile
-    spec = args.documents or w.documents
-
+        raise ValidationError([Problem("model", "no model given", "give --model PATH (a model directory or "
+                                       "config.json), or a recipe from cptune search --model")])
+    overrides = models.parse_overrides(model_overrides) if model_overrides else dict(w.model_overrides or {})
     hf_config = models.load_config(path, overrides)
-    export = models.check_export(args.export, "--export") if args.export else None  # refused before any training
+    seq_len, ac = seq_len or w.seq_len, ac or w.ac
+    compile_ = w.compile if compile_ is None else compile_
+    spec = documents or w.documents
+    cptune.Workload(seq_len=seq_len, documents=spec)  # a documents spec that does not fit the length: named
+    raise_if(models.training_problems(ac, compile_))
+    options.check_checkpointing(checkpoint_dir, resume, save_every)
+    if eos_id is not None and not (data or "").endswith(".npy"):
+        raise ValidationError([Problem("eos_id", "is read only from a 1-D .npy --data", "drop --eos-id, or give "
+                                       "--data as a .npy token stream")])
+    if weights:
+        models.check_weights(hf_config, path)
+    vocab = hf_config.get_text_config().vocab_size
+    return SimpleNamespace(
+        **rest, recipe=recipe, config=config, dp=dp, cp=cp, batch=batch, path=path, hf_config=hf_config,
+        weights=weights, seq_len=seq_len, ac=ac, compile=compile_, spec=spec, vocab=vocab, data=data,
+        documents=read_documents(data, eos_id, vocab) if data else None, resume=resume, save_every=save_every,
+        checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+        export=models.check_export(export, "export") if export else None)
+
+
+def train(args: SimpleNamespace) -> None:
+    distributed = "RANK" in os.environ
+    device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
+    config, dp, cp, batch, seq_len = args.config, args.dp, args.cp, args.batch, args.seq_len
     fsdp_mesh = None
     if distributed and args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -194,22 +249,22 @@ def main() -> None:
         fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
     # on the meta device, then one sharded layer at a time: no rank holds the whole model; the same weights at
     # any world size (seeded per layer), or the --model folder's safetensors read into each rank's shards
-    model = models.build_model(hf_config, device, weights=path if args.weights else None, fsdp_mesh=fsdp_mesh,
-                               ac=ac, compile=compile_)
+    model = models.build_model(args.hf_config, device, weights=args.path if args.weights else None,
+                               fsdp_mesh=fsdp_mesh, ac=args.ac, compile=args.compile)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
-    vocab = hf_config.get_text_config().vocab_size
-    if args.data:
-        documents = read_documents(args.data, args.eos_id)
-    else:
-        packed = cptune.Workload(seq_len=seq_len, documents=spec).document_ids()  # (1, S), or None: unpacked
-        sizes = torch.unique_consecutive(packed[0], return_counts=True)[1].tolist() if spec else [seq_len]
-        documents = synthetic_documents(len(sizes) * batch * args.steps, sizes, vocab)
+    documents = args.documents
+    if documents is None:
+        packed = cptune.Workload(seq_len=seq_len, documents=args.spec).document_ids()  # (1, S), or None: unpacked
+        sizes = torch.unique_consecutive(packed[0], return_counts=True)[1].tolist() if args.spec else [seq_len]
+        documents = synthetic_documents(len(sizes) * batch * args.steps, sizes, args.vocab)
     tokens, doc_ids = pack(documents, seq_len, batch * args.steps)
     rows = cptune.replica_rows(batch, config=config)
-    folder = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    folder = args.checkpoint_dir
     start = resume(folder, model, optimizer, scheduler) if folder and args.resume else 0
+    if args.resume and not start and rank == 0:
+        print(f"--resume: no step-N checkpoint in {folder}: starting at step 0", flush=True)
 
     losses = []
     for step in range(start, args.steps):
@@ -245,19 +300,16 @@ def main() -> None:
         dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
         print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, batch {batch}, config: {config.label()}, "
-              f"ac={ac} compile={compile_} fsdp={fsdp_mesh is not None} documents={spec or args.data or 'none'}")
+              f"ac={args.ac} compile={args.compile} fsdp={fsdp_mesh is not None} "
+              f"documents={args.spec or args.data or 'none'}")
         if args.losses_out:
             with open(args.losses_out, "w") as f:
                 json.dump({"losses": losses, "start": start, "world": world, "dp": dp, "cp": cp, "peaks": peaks}, f)
-    if export is not None:
-        models.export_model(model, export, dtype=getattr(torch, args.export_dtype))
+    if args.export is not None:
+        models.export_model(model, args.export, dtype=getattr(torch, args.export_dtype))
         if rank == 0:
-            print(f"exported to {export}", flush=True)
+            print(f"exported to {args.export}", flush=True)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except cptune.CPTuneError as exc:  # what the user gave (a model, weights, an export folder): the named error
-        raise SystemExit(str(exc)) from None
-    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
+    main()

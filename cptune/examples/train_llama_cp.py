@@ -25,11 +25,12 @@ positions restart at each, no target crosses a boundary, and attention keeps to 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
+from types import SimpleNamespace
 
+import click
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -38,6 +39,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cptune
+from cptune.examples import _options as options
 
 
 class RMSNorm(nn.Module):
@@ -164,42 +166,44 @@ def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2
     return step, [input_ids, labels, positions], [1, 1, 1]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--recipe", default=None, help="Recipe file (default: $CPTUNE_RECIPE, else no CP)")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--seq-len", type=int, default=None, help="Default: the recipe's, else 1024")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="Global batch, split over dp replicas (default: as the recipe was measured, else 2)")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--losses-out", default=None, help="Write the per-step losses here (JSON)")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile each block (default: as the recipe was measured, else off)")
-    parser.add_argument("--ac", choices=["none", "full", "selective"], default=None,
-                        help="Activation checkpointing per block; selective keeps matmuls and the ring attention "
-                             "(default: as the recipe was measured, else none)")
-    parser.add_argument("--fsdp", action="store_true", help="FSDP2 over the flattened dp x cp mesh")
-    parser.add_argument("--documents", default=None, metavar="SPEC",
-                        help="Pack documents per sequence: 8 (equal), longtail, or lengths (default: the recipe's)")
-    args = parser.parse_args()
+@click.command(cls=options.Script, help=__doc__.split("\n")[0])
+@options.recipe
+@options.steps(5)
+@options.seq_len
+@options.batch
+@options.lr(3e-3)
+@options.losses_out
+@options.compile_
+@options.ac
+@click.option("--fsdp", is_flag=True, help="FSDP2 over the flattened dp x cp mesh.")
+@options.documents
+def main(**given) -> None:
+    train(checked(**given))
+    cptune.close_rank()  # after training: its model and meshes dropped, the groups are freed now, not at teardown
 
+
+def checked(recipe_path, seq_len, batch, compile_, ac, documents, **rest) -> SimpleNamespace:
+    """Every option read and checked together, before any rank starts or a model is built."""
+    recipe = options.read_recipe(recipe_path)
+    config = recipe.config if recipe else cptune.CPConfig()
+    seq_len = seq_len or (recipe.workload.seq_len if recipe else 1024)
+    compile_ = bool(recipe and recipe.workload.compile) if compile_ is None else compile_  # as measured
+    ac = ac or (recipe.workload.ac if recipe else "none")
+    documents = documents or (recipe.workload.documents if recipe else None)
+    ids = cptune.Workload(seq_len=seq_len, documents=documents).document_ids()  # a spec that does not fit: named
+    world = options.world_size()
+    dp, cp = config.resolve_mesh_shape(world)
+    batch = batch or (dp * recipe.workload.batch if recipe else 2)  # as measured: the recipe's batch per replica
+    options.check_batch(batch, config, world)
+    return SimpleNamespace(**rest, recipe=recipe, config=config, seq_len=seq_len, compile=compile_, ac=ac,
+                           documents=documents, document_ids=ids, dp=dp, cp=cp, batch=batch)
+
+
+def train(args: SimpleNamespace) -> None:
     distributed = "RANK" in os.environ
     device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
-
-    recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
-    recipe = cptune.load_recipe(recipe_path) if recipe_path else None
-    config = recipe.config if recipe else cptune.CPConfig()
-    seq_len = args.seq_len or (recipe.workload.seq_len if recipe else 1024)
-    if args.compile is None:  # run as the recipe was measured
-        args.compile = bool(recipe and recipe.workload.compile)
-    if args.ac is None:
-        args.ac = recipe.workload.ac if recipe else "none"
-    if args.documents is None and recipe:
-        args.documents = recipe.workload.documents
-    documents = cptune.Workload(seq_len=seq_len, documents=args.documents).document_ids()
-    dp, cp = config.resolve_mesh_shape(world)
-    if args.batch is None:  # as measured: the recipe's batch per replica
-        args.batch = dp * recipe.workload.batch if recipe else 2
+    recipe, config, seq_len, dp, cp, documents = args.recipe, args.config, args.seq_len, args.dp, args.cp, \
+        args.document_ids
     rows = cptune.replica_rows(args.batch, config=config)  # this replica's share of the global batch
 
     mesh = fsdp_mesh = None
@@ -247,4 +251,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown

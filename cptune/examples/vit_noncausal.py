@@ -14,16 +14,19 @@ configuration. With the same seed, each step's loss equals the single-process ru
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+from types import SimpleNamespace
 
+import click
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import cptune
+from cptune.errors import Problem, ValidationError
+from cptune.examples import _options as options
 
 
 class EncoderBlock(nn.Module):
@@ -73,27 +76,32 @@ def make_images(step: int, batch: int, size: int, patch: int, device: torch.devi
     return noisy.to(device), patches.to(device), positions.to(device)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--recipe", default=None)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--image-size", type=int, default=256)
-    parser.add_argument("--patch", type=int, default=8)
-    parser.add_argument("--losses-out", default=None)
-    args = parser.parse_args()
+@click.command(cls=options.Script, help=__doc__.split("\n")[0])
+@options.recipe
+@options.steps(3)
+@click.option("--image-size", type=options.COUNT, default=256, show_default=True, help="Image side in pixels.")
+@click.option("--patch", type=options.COUNT, default=8, show_default=True,
+              help="Patch side in pixels (divides --image-size).")
+@options.losses_out
+def main(**given) -> None:
+    train(checked(**given))
+    cptune.close_rank()  # after training: its model and meshes dropped, the groups are freed now, not at teardown
 
+
+def checked(recipe_path, image_size, patch, **rest) -> SimpleNamespace:
+    """Every option read and checked together, before any rank starts or a model is built."""
+    if image_size % patch:
+        raise ValidationError([Problem("patch", f"{patch} does not divide --image-size {image_size}",
+                                       f"give a patch side that divides {image_size}, e.g. 8")])
+    recipe = options.read_recipe(recipe_path)
+    return SimpleNamespace(**rest, recipe=recipe, image_size=image_size, patch=patch,
+                           config=None if recipe else cptune.CPConfig())  # default: every rank does CP
+
+
+def train(args: SimpleNamespace) -> None:
     distributed = "RANK" in os.environ
-    torch.set_num_threads(1)
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    if distributed:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    world, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
-    recipe_path = args.recipe or os.environ.get("CPTUNE_RECIPE")
-    recipe = cptune.load_recipe(recipe_path) if recipe_path else None
-    config = None if recipe else cptune.CPConfig()  # default: every rank does context parallelism
+    device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
+    recipe, config = args.recipe, args.config
 
     torch.manual_seed(0)
     model = PatchDenoiser(patch_dim=3 * args.patch**2).to(device)
@@ -124,4 +132,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    cptune.close_rank()  # after main: its model and meshes dropped, the groups are freed now, not at teardown
