@@ -68,6 +68,8 @@ def print_result(result) -> None:
                f"budget per rank {format_size(result.memory_budget)}; {result.evaluated_now} trial(s) run now")
     click.echo(result.table())
     click.echo(f"({result.LEGEND})")
+    if result.plan_note():
+        click.echo(f"plan: {result.plan_note()}")
     best = result.best
     if best is not None:
         click.echo(f"\nbest: {best.label}  {best.tokens_per_s:,.0f} tokens/s")

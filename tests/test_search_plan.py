@@ -64,6 +64,18 @@ def test_a_plan_skipped_config_is_recorded_and_run_under_exhaustive(tmp_path, mo
         assert r.reason.startswith(f"{SKIPPED}: predicted ") and "calibrated error" in r.reason, r.reason
         assert r.tokens_per_s is None and r.plan_tps
     assert all(r.plan_tps for r in measured)  # predicted beside measured, for every trial
+    # the column is the model as calibrated on every measured trial, not the guess made before the first was run:
+    # measured rows' plan figures are typically within the calibration's worst leave-one-out error, none 2x off
+    import optuna
+
+    from cptune.search.records import PLAN_ATTR
+
+    plan = optuna.load_study(study_name=first.study_name, storage=storage).user_attrs[PLAN_ATTR]
+    assert plan["trials"] == len(measured) and first.plan_calibration == plan["calibration"]
+    errors = sorted(abs(r.plan_tps / r.tokens_per_s - 1) for r in measured)
+    assert errors[len(errors) // 2] <= plan["error"] and all(0.5 < r.plan_tps / r.tokens_per_s < 2 for r in measured), \
+        [(r.label, r.plan_tps, r.tokens_per_s) for r in measured]
+    assert "calibrated on this study's measured trials" in first.plan_note() and "leave-one-out" in first.plan_note()
     assert SKIPPED in first.table() and " plan " in first.table().splitlines()[0]
     rows = json.loads(json.dumps(first.to_dict()))["trials"]
     assert all("plan_tps" in t and t["label"].split()[-1].startswith("ac-") for t in rows)

@@ -26,7 +26,7 @@ from .guide import Guide
 from .interrupts import Interrupts, SearchInterrupted
 from .measure import summarize, tokens_per_step
 from .memory import PRUNE_FACTOR, predict_peak
-from .records import DOMINATED_ATTR, INTERRUPTED, TrialRecord, dominated_reason, dominating, fits, \
+from .records import DOMINATED_ATTR, INTERRUPTED, PLAN_ATTR, TrialRecord, dominated_reason, dominating, fits, \
     over_budget_reason, pruned_reason, record_from
 from .result import SearchResult
 from .settings import SearchSettings
@@ -156,6 +156,8 @@ class _StudyRun:
         cut_short = self.study.user_attrs.get(racing.RACE_ATTR) == racing.RACING  # a stopped search's race
         if s.confirm and (evaluated or cut_short):
             self._race_leaders()
+        if self.guide is not None and evaluated:  # the table's plan column: the model as finally calibrated
+            self.study.set_user_attr(PLAN_ATTR, self.guide.calibrated())
         return result_from_study(self.study, budget=s.budget, margin=s.margin, evaluated=evaluated,
                                  complete=not (self.wanted - set(self.done)), storage=storage)
 

@@ -67,6 +67,15 @@ class Guide:
         seen = list(self._seen.values())
         self.calibration = calibrate([s[0] for s in seen], [s[1] for s in seen], [s[2] for s in seen])
 
+    def calibrated(self) -> dict | None:
+        """The model as calibrated on every trial measured so far, for the study to keep: how, its error, and the
+        calibrated tokens/s of every configuration predicted (None before any trial is measured)."""
+        if not self.calibration.trials:
+            return None
+        return {"calibration": self.calibration.describe(), "error": self.calibration.error,
+                "trials": self.calibration.trials,
+                "tokens_per_s": {key: self.calibration.apply(raw).tokens_per_s for key, raw in self._raw.items()}}
+
     def order(self, candidates: dict[str, tuple[CPConfig, str | None]]) -> list[str]:
         """Keys by calibrated predicted tokens/s, highest first (unpredictable ones last, in their order)."""
         def score(key: str) -> float:

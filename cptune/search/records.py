@@ -33,7 +33,7 @@ class TrialRecord:
     tps_high: float | None = None
     warmup_tps: float | None = None  # tokens/s of the warm-up step (with torch.compile: compiling included)
     ac: str | None = None  # the activation checkpointing it ran with, when the search tries several (--ac auto)
-    plan_tps: float | None = None  # the calibrated plan's tokens/s when it was proposed (None: not predicted)
+    plan_tps: float | None = None  # the plan's tokens/s, calibrated on all of the study's measured trials
     plan_peak: int | None = None
 
     @property
@@ -52,6 +52,9 @@ class TrialRecord:
 
 
 INTERRUPTED = "the search stopped during this trial"
+PLAN_ATTR = "plan_calibrated"
+"""Study attribute: the step model calibrated on every measured trial at the end of the last run (``calibration``:
+how, ``error``: its worst leave-one-out error, ``tokens_per_s``: config key -> calibrated tokens/s)."""
 
 
 def fits(peak: int, budget: int, margin: float) -> bool:
@@ -129,4 +132,4 @@ def record_from(t: optuna.trial.FrozenTrial, budget: int | None = None, margin: 
                        predicted_bytes=a.get("predicted_bytes"), peak_per_rank=a.get("peak_per_rank"),
                        feasible=feasible, reason=reason, compile_s=a.get("compile_s"), headroom=headroom,
                        step_times=a.get("step_times"), warmup_tps=a.get("warmup_tokens_per_s"), ac=a.get("ac"),
-                       plan_tps=a.get("plan_tokens_per_s"), plan_peak=a.get("plan_peak_bytes"))
+                       plan_peak=a.get("plan_peak_bytes"))

@@ -27,6 +27,7 @@ class SearchResult:
     race: dict | None = None  # the paired race that decided (see racing.race), by config key
     evaluated_now: int = 0
     complete: bool = False
+    plan_calibration: str | None = None  # how the plan column's model was calibrated (None: no plan column)
 
     @property
     def ranked(self) -> list[TrialRecord]:
@@ -86,9 +87,16 @@ class SearchResult:
     LEGEND = ("dpX·cpY: X data-parallel replicas x Y context-parallel ranks; allgather/alltoall: the ring's rotate "
               "method; ulysses: all-to-all over heads; hybrid uK×rN: Ulysses groups of K ranks, a ring of N; lb: "
               "causal load balancing; flash on CPU: cptune's CPU ring kernel; tokens/s: the whole world, median "
-              "over n timed steps; plan: the calibrated step model's tokens/s when the trial was proposed; IQR: its interquartile range; *: equivalent to the best (within "
+              "over n timed steps; IQR: its interquartile range; plan: the step model's tokens/s, calibrated on all "
+              "of this study's measured trials (how, and its error, under the table); *: equivalent to the best (within "
               f"{INDIFFERENCE:.0%} after paired race rounds); peak: the worst rank; headroom: budget left; "
               "predicted: the memory model's peak (the proxy's, else the plan's)")
+
+    def plan_note(self) -> str | None:
+        if self.plan_calibration is None:
+            return None
+        return (f"the plan column is the step model calibrated on this study's measured trials: "
+                f"{self.plan_calibration}")
 
     def tie_note(self) -> str | None:
         if not self.tie:
@@ -120,5 +128,5 @@ class SearchResult:
             "memory_budget_unit": "bytes", "memory_margin": self.memory_margin,
             "evaluated_now": self.evaluated_now, "complete": self.complete,
             "best": best.to_dict() if best else None, "trials": [r.to_dict() for r in self.ranked],
-            "equivalent": [r.label for r in self.tie], "race": self.race,
+            "equivalent": [r.label for r in self.tie], "race": self.race, "plan_calibration": self.plan_calibration,
         }

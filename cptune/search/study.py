@@ -21,7 +21,7 @@ from ..workload import Workload
 from . import racing
 from .measure import tokens_per_step
 from .memory import PRUNE_FACTOR
-from .records import DOMINATED_ATTR, INTERRUPTED, TrialRecord, dominating, record_from
+from .records import DOMINATED_ATTR, INTERRUPTED, PLAN_ATTR, TrialRecord, dominating, record_from
 from .result import SearchResult
 from .settings import MeasureSettings
 from .._defaults import MEMORY_MARGIN
@@ -181,6 +181,9 @@ def result_from_study(study: optuna.Study, *, budget: int | None = None, margin:
     budget = budget if budget is not None else a["memory_budget"]
     margin = margin if margin is not None else a.get("memory_margin", 0.0)
     trials = records(study, workload, budget, margin)
+    plan = a.get(PLAN_ATTR) or {}
+    for r in trials:
+        r.plan_tps = plan.get("tokens_per_s", {}).get(r.key)
     tied, race = _equivalent(trials, a.get(racing.RACE_ATTR))  # one config when the measurements separate it
     chosen = racing.choose(tied, pytorch_default(workload, world, device)) if tied else None
     tied = tied if len(tied) > 1 else []
@@ -189,7 +192,8 @@ def result_from_study(study: optuna.Study, *, budget: int | None = None, margin:
     return SearchResult(study_name=study.study_name, storage=where, workload=workload, world_size=world,
                         device=device, nproc_per_node=nproc, memory_budget=budget, trials=trials,
                         evaluated_now=evaluated, complete=complete, memory_margin=margin,
-                        chosen=chosen.number if chosen else None, equivalent=[r.number for r in tied], race=race)
+                        chosen=chosen.number if chosen else None, equivalent=[r.number for r in tied], race=race,
+                        plan_calibration=plan.get("calibration"))
 
 
 def _equivalent(trials: list[TrialRecord], race: dict | None) -> tuple[list[TrialRecord], dict | None]:
