@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 RANKS, LAYERS = 4, 240
 
 
+@pytest.mark.slow  # minutes: CI's transformers floor lane leaves it out (.ci/transformers-floor)
 def test_a_model_three_times_a_ranks_budget_is_built_sharded_searched_and_trained(tmp_path):
     model = scale.write_model(tmp_path / "model", LAYERS)
     n = scale.sizes(scale.model_config(LAYERS))
