@@ -61,11 +61,17 @@ def _adopt_sharded(model: Any) -> None:
 
     if not isinstance(model, FSDPModule):
         return
-    raise_if([] if hasattr(transformers.PreTrainedModel, "is_distributed_loading_by_transformers") else [
+    raise_if([] if takes_sharded_models() else [
         Problem("model", f"is sharded by FSDP2, which the Trainer of transformers {transformers.__version__} "
-                "would wrap in DDP", "pip install -U transformers (verified: 5.24), or build the model whole "
+                "would wrap in DDP", "pip install -U 'transformers>=5' (verified: 5.25), or build the model whole "
                 "(cptune.models.build_model without fsdp_mesh)")])
     model._is_distributed_loading_by_transformers = True
+
+
+def takes_sharded_models() -> bool:
+    """Whether this transformers' Trainer trains a model sharded at load time as it is (5.x: found by the
+    attribute it reads, not by version); before, it wraps any model in DDP."""
+    return hasattr(transformers.PreTrainedModel, "is_distributed_loading_by_transformers")
 
 
 class Trainer(transformers.Trainer):

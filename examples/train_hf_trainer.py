@@ -89,11 +89,20 @@ def main(**given) -> None:
     cptune.close_rank()  # after training: its model and meshes dropped, the groups are freed now, not at teardown
 
 
-def checked(model, model_overrides, recipe_path, plain, replicas, **rest) -> SimpleNamespace:
+def checked(model, model_overrides, recipe_path, plain, replicas, fsdp, **rest) -> SimpleNamespace:
     """Every option read and checked together, before any rank starts or a model is built."""
     if replicas is not None and not plain:
         raise ValidationError([Problem("replicas", "is read only with --plain (under torchrun the recipe's dp "
                                        "replicas are the ranks')", "add --plain, or drop --replicas")])
+    if fsdp and "RANK" in os.environ and not plain:
+        import transformers
+
+        from cptune._hf_trainer import takes_sharded_models
+
+        if not takes_sharded_models():
+            raise ValidationError([Problem("fsdp", f"the Trainer of transformers {transformers.__version__} wraps a "
+                                           "model sharded by FSDP2 in DDP", "pip install -U 'transformers>=5' "
+                                           "(verified: 5.25), or --no-fsdp (the model whole on every rank, DDP)")])
     recipe = options.read_recipe(recipe_path)
     path = model or (recipe.workload.model if recipe else None)
     if path is None:
@@ -101,7 +110,7 @@ def checked(model, model_overrides, recipe_path, plain, replicas, **rest) -> Sim
                                        "search --model")])
     overrides = models.parse_overrides(model_overrides) if model_overrides else (
         recipe.workload.model_overrides if recipe else None)
-    return SimpleNamespace(**rest, recipe=recipe, plain=plain, replicas=replicas or 1,
+    return SimpleNamespace(**rest, recipe=recipe, plain=plain, replicas=replicas or 1, fsdp=fsdp,
                            config=models.load_config(path, overrides))
 
 

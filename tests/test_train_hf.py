@@ -127,6 +127,16 @@ def test_hf_trainer_under_cp_equals_a_one_process_trainer(tmp_path, nproc, mesh,
     import torch
 
     _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=64), mesh, "examples/train_hf_trainer.py")
+    from cptune._hf_trainer import takes_sharded_models
+
+    if "--no-fsdp" not in extra and not takes_sharded_models():  # transformers 4.x: refused by name, at once
+        done = subprocess.run([*torchrun(nproc), TRAINER, "--recipe", "r.yaml", *extra, "--out", "cp.pt"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode != 0 and len(set(said)) == 1, done.stderr[-3000:]
+        assert "--fsdp: the Trainer of transformers 4." in said[0] and "Fix:" in said[0], said
+        assert not (tmp_path / "trainer-out").exists()  # refused before any rank started or built the model
+        return
     run([sys.executable, TRAINER, "--model", str(MODEL), "--plain", "--replicas", str(mesh[0]), *extra,
          "--out", "one.pt"], tmp_path)
     run([*torchrun(nproc), TRAINER, "--recipe", "r.yaml", *extra, "--out", "cp.pt"], tmp_path)
