@@ -263,7 +263,7 @@ def training_problems(ac: str, compile: bool) -> list[Problem]:
     return [Problem("compile (--compile)", f"with activation checkpointing needs a newer transformers than "
                     f"{transformers.__version__}: there a compiled decoder layer's recompute under CP saves other "
                     "tensors than its forward did (torch's CheckpointError)",
-                    "pip install -U transformers (verified: 5.24), or drop --compile or --ac")]
+                    "pip install -U transformers (verified: 5.25), or drop --compile or --ac")]
 
 
 def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
