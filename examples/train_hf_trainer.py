@@ -94,6 +94,14 @@ def checked(model, model_overrides, recipe_path, plain, replicas, fsdp, **rest) 
     if replicas is not None and not plain:
         raise ValidationError([Problem("replicas", "is read only with --plain (under torchrun the recipe's dp "
                                        "replicas are the ranks')", "add --plain, or drop --replicas")])
+    recipe = options.read_recipe(recipe_path)
+    path = model or (recipe.workload.model if recipe else None)
+    if path is None:
+        raise ValidationError([Problem("model", "no model given", "give --model PATH, or a recipe from cptune "
+                                       "search --model")])
+    overrides = models.parse_overrides(model_overrides) if model_overrides else (
+        recipe.workload.model_overrides if recipe else None)
+    config = models.load_config(path, overrides)
     if fsdp and "RANK" in os.environ and not plain:
         import transformers
 
@@ -103,15 +111,7 @@ def checked(model, model_overrides, recipe_path, plain, replicas, fsdp, **rest) 
             raise ValidationError([Problem("fsdp", f"the Trainer of transformers {transformers.__version__} wraps a "
                                            "model sharded by FSDP2 in DDP", "pip install -U 'transformers>=5' "
                                            "(verified: 5.25), or --no-fsdp (the model whole on every rank, DDP)")])
-    recipe = options.read_recipe(recipe_path)
-    path = model or (recipe.workload.model if recipe else None)
-    if path is None:
-        raise ValidationError([Problem("model", "no model given", "give --model PATH, or a recipe from cptune "
-                                       "search --model")])
-    overrides = models.parse_overrides(model_overrides) if model_overrides else (
-        recipe.workload.model_overrides if recipe else None)
-    return SimpleNamespace(**rest, recipe=recipe, plain=plain, replicas=replicas or 1, fsdp=fsdp,
-                           config=models.load_config(path, overrides))
+    return SimpleNamespace(**rest, recipe=recipe, plain=plain, replicas=replicas or 1, fsdp=fsdp, config=config)
 
 
 def train(args: SimpleNamespace) -> None:

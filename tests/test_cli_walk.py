@@ -63,7 +63,8 @@ def _scripts() -> dict[str, click.Command]:
 SCRIPTS = _scripts()
 SCRIPT_BASES = {"train_hf.py": ["--model", str(MODEL), "--seq-len", "64", "--steps", "1"],
                 "train_llama_cp.py": ["--seq-len", "256", "--steps", "1"], "vit_noncausal.py": ["--steps", "1"],
-                "train_hf_trainer.py": ["--model", str(MODEL), "--steps", "1"], "cp_example.py": ["--seq-len", "256"]}
+                "train_hf_trainer.py": ["--model", str(MODEL), "--steps", "1", "--no-fsdp"],  # any transformers
+                "cp_example.py": ["--seq-len", "256"]}
 """A valid call of each script (the walk runs it as the second of two torchrun ranks)."""
 
 
