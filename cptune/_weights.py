@@ -88,6 +88,7 @@ def _header(path: Path, argument: str) -> dict:
                                        fix)])
     return header
 
+
 def stored_tensors(folder: str | Path, argument: str = "weights") -> dict[str, Stored]:
     """Every tensor of the safetensors checkpoint in ``folder``: name -> file, dtype, shape. Refuses, naming
     the file: a folder without safetensors weights, an index naming files that are not there, a sharded set

@@ -61,13 +61,16 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_batch(batch: int, config: Any, world: int) -> tuple[int, int]:
-    """(dp, cp) of ``config`` on ``world`` ranks, and ``batch`` rows that split over its dp replicas."""
+def mesh_and_batch(config: Any, recipe: Any, batch: int | None) -> tuple[int, int, int]:
+    """(dp, cp, global batch) of ``config`` on this job's ranks: ``batch``, else as the recipe was measured (its
+    batch per replica on every replica), else 2; refused, naming --batch, when its rows do not split over dp."""
+    world = world_size()
     dp, cp = config.resolve_mesh_shape(world)
+    batch = batch or (dp * recipe.workload.batch if recipe else 2)
     if batch % dp:
         raise ValidationError([Problem("batch", f"{batch} rows do not split over the {dp} dp replicas of "
                                        f"{config.label()} on {world} ranks", f"give a global batch divisible by {dp}")])
-    return dp, cp
+    return dp, cp, batch
 
 
 def check_checkpointing(checkpoint_dir: str | None, resume: bool, save_every: int) -> None:
@@ -79,6 +82,6 @@ def check_checkpointing(checkpoint_dir: str | None, resume: bool, save_every: in
 
 
 
-__all__ = ["COUNT", "FOLDER", "InputFile", "OneOf", "OutputFile", "Script", "Whole", "ac", "batch", "check_batch",
+__all__ = ["COUNT", "FOLDER", "InputFile", "OneOf", "OutputFile", "Script", "Whole", "ac", "batch", "mesh_and_batch",
            "check_checkpointing", "compile_", "documents", "losses_out", "lr", "model", "model_override",
            "read_recipe", "recipe", "seq_len", "steps", "world_size"]

@@ -191,10 +191,7 @@ def checked(recipe_path, seq_len, batch, compile_, ac, documents, **rest) -> Sim
     ac = ac or (recipe.workload.ac if recipe else "none")
     documents = documents or (recipe.workload.documents if recipe else None)
     ids = cptune.Workload(seq_len=seq_len, documents=documents).document_ids()  # a spec that does not fit: named
-    world = options.world_size()
-    dp, cp = config.resolve_mesh_shape(world)
-    batch = batch or (dp * recipe.workload.batch if recipe else 2)  # as measured: the recipe's batch per replica
-    options.check_batch(batch, config, world)
+    dp, cp, batch = options.mesh_and_batch(config, recipe, batch)
     return SimpleNamespace(**rest, recipe=recipe, config=config, seq_len=seq_len, compile=compile_, ac=ac,
                            documents=documents, document_ids=ids, dp=dp, cp=cp, batch=batch)
 

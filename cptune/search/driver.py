@@ -184,7 +184,6 @@ class _StudyRun:
             return study.tell(trial, state=state.PRUNED)
         planned = self.guide.predicted(key, config, ac) if self.guide is not None else None
         if planned is not None:
-            trial.set_user_attr("plan_tokens_per_s", planned.tokens_per_s)
             trial.set_user_attr("plan_peak_bytes", planned.peak_bytes)
             skip = None if s.exhaustive else self.guide.skip(key, config, ac, self._best_measured())
             if skip is not None:
