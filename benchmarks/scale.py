@@ -106,7 +106,8 @@ def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: i
                      margin: float | None = None, seq_len: int = 32) -> dict:
     """``cptune search --model`` at ``seq_len`` tokens under ``budget`` (``trials`` configurations; ``margin``: its
     --memory-margin, default the search's), then ``cptune launch`` of its recipe (``steps`` steps)."""
-    cmd = [sys.executable, "-m", "cptune", "search", "--model", str(model), "--seq-len", str(seq_len), "--nproc", str(ranks),
+    cmd = [sys.executable, "-m", "cptune", "search", "--model", str(model), "--seq-len", str(seq_len),
+           "--nproc", str(ranks),
            "--memory-budget", f"{budget // 2**20}MiB", "--n-trials", str(trials), "--min-seconds", "0", "--storage",
            f"sqlite:///{work}/scale.db", "--out", str(work / "scale.yaml"),
            *(["--memory-margin", str(margin)] if margin is not None else [])]
