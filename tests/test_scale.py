@@ -7,8 +7,8 @@ The model is as small as the claim allows: a rank's quarter of the states is thr
 last quarter (0.72GiB of 2.89GiB) holds all that is not sharded: the interpreter with torch and transformers
 (0.31GiB before any trial), gathered layers, the root and the step's activations (0.55GiB in all, measured).
 180 layers at 8 tokens a sequence leave 6 %; 160 left 4 %; 240 at 32 tokens (the benchmark's default) took twice
-the time. One trial, one step: what a rank
-holds is the same at every step after the first, which the trial's warm-up step already ran."""
+the time. One trial, one step: what a rank holds is the same at every step after the first, which the trial's
+warm-up step already ran."""
 
 import math
 
