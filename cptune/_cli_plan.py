@@ -8,6 +8,7 @@ import click
 
 from ._cli_types import COUNT, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE, InputFile, OneOf, OutputFile, Whole
 from ._defaults import BUDGET_FRACTION
+from ._sizes import format_rate
 from .errors import Problem, ValidationError
 from .workload import AC_MODES
 
@@ -81,7 +82,7 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
             click.echo(f"not possible: {len(result.invalid)} configuration(s), e.g. {result.invalid[0][0]}: "
                        f"{result.invalid[0][1]}")
         best = result.best
-        click.echo(f"\nbest (predicted): {best.point.label()}  {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+        click.echo(f"\nbest (predicted): {best.point.label()}  {format_rate(best.tokens_per_s_per_gpu)} tokens/s per GPU"
                    if best else "\nnothing is predicted to fit: raise --memory-budget, add GPUs or shorten --seq-len")
     if out:
         click.echo(f"predicted recipe: {path} (not measured: measure it with cptune search on the cluster)", err=True)

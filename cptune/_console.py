@@ -8,7 +8,7 @@ import json
 import click
 
 from .errors import CPTuneError
-from ._sizes import format_size
+from ._sizes import format_rate, format_size
 
 
 def progress():
@@ -19,7 +19,7 @@ def progress():
     def show(record, done: int, total: int) -> None:
         width = 20
         filled = int(width * done / max(total, 1))
-        tps = f"{record.tokens_per_s:>10,.0f} tok/s" if record.tokens_per_s else " " * 16
+        tps = f"{format_rate(record.tokens_per_s):>10} tok/s" if record.tokens_per_s else " " * 16
         elapsed = time.monotonic() - started
         left = f", ~{duration(elapsed / done * (total - done))} left" if 0 < done < total else ""
         peak = f"peak {format_size(record.peak_bytes)}" if record.peak_bytes else ""
@@ -72,7 +72,7 @@ def print_result(result) -> None:
         click.echo(f"plan: {result.plan_note()}")
     best = result.best
     if best is not None:
-        click.echo(f"\nbest: {best.label}  {best.tokens_per_s:,.0f} tokens/s")
+        click.echo(f"\nbest: {best.label}  {format_rate(best.tokens_per_s)} tokens/s")
         for kind, note in (("race", result.race_note()), ("tie", result.tie_note()),
                            ("note", result.dp_only_note())):
             if note:

@@ -1,4 +1,4 @@
-"""Memory sizes as people write them ('70GiB') and as cptune prints them."""
+"""Memory sizes as people write them ('70GiB') and as cptune prints them; rates as cptune prints them."""
 
 from __future__ import annotations
 
@@ -38,3 +38,9 @@ def format_size(n: float | None) -> str:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.2f}{unit}"
         n /= 1024
     return str(n)
+
+
+def format_rate(x: float) -> str:
+    """A rate (tokens/s) as a table prints it: whole numbers with thousands separators from 100 up, three
+    significant figures below (a model that takes a minute a step runs at 0.533 tokens/s, not 0)."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"

@@ -25,7 +25,7 @@ import click
 from ._cli_types import COUNT, ENDPOINT, FOLDER, NAME, RECIPE, STORAGE, Whole, refuse
 from .errors import CPTuneError, Problem, ValidationError
 from ._console import print_result
-from ._sizes import format_size
+from ._sizes import format_rate, format_size
 
 
 class _Group(click.Group):
@@ -159,7 +159,7 @@ def show(recipe_path, as_json) -> None:
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
                f"script {recipe.launch.script or '(give one after --)'}")
     if m.predicted_by:  # cptune plan's figures, for hardware not at hand
-        click.echo(f"predicted: {m.tokens_per_s / p.device_count:,.0f} tokens/s per GPU, step {m.step_time_s:.3f}s, "
+        click.echo(f"predicted: {format_rate(m.tokens_per_s / p.device_count)} tokens/s per GPU, step {m.step_time_s:.3f}s, "
                    f"peak/GPU {format_size(max(m.peak_bytes_per_rank or [0]))} (budget {format_size(m.memory_budget)}) "
                    f"by {m.predicted_by}")
     status, why = "not measured" if m.predicted_by else recipe.figures_status(), {
@@ -168,7 +168,7 @@ def show(recipe_path, as_json) -> None:
         "not verifiable (no digest)": "not verifiable: the recipe has no digest, so its figures cannot be "
                                       "checked against what was measured (re-run cptune search)",
         "not measured": f"no (not measured{': ' + m.note if m.note else ''})"}
-    figures = (f"{m.tokens_per_s:,.0f} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
+    figures = (f"{format_rate(m.tokens_per_s)} tokens/s, step {m.step_time_s:.3f}s, peak/rank "
                f"{', '.join(format_size(b) for b in m.peak_bytes_per_rank or [])} (budget "
                f"{format_size(m.memory_budget)}" + (f", headroom {m.headroom:.0%}" if m.headroom is not None else "")
                + ")" if status is None else why[status])

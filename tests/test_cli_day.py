@@ -158,3 +158,23 @@ def test_replica_rows_and_dp_rank(ranks):
     got = ranks(4).run(_replica_case, (2, 2))
     assert [(r["rows"], r["dp_rank"], r["cp_rank"]) for r in got] == [
         ((0, 4), 0, 0), ((0, 4), 0, 1), ((4, 8), 1, 0), ((4, 8), 1, 1)]
+
+
+def test_a_rate_under_one_token_a_second_is_printed_not_rounded_to_zero(tmp_path):
+    """A model that takes a minute a step (the scale test's on 2 cores) measures 0.533 tokens/s: the table, its
+    range and the best line say so, where whole numbers printed 0."""
+    from cptune._sizes import format_rate
+    from cptune.search.records import TrialRecord
+    from cptune.search.result import SearchResult
+
+    assert [format_rate(x) for x in (0.53321, 9.0912, 45.27, 1234.6)] == ["0.533", "9.09", "45.3", "1,235"]
+    slow = TrialRecord(number=0, config=cptune.CPConfig(mesh_shape=(2, 1)), state="ok", tokens_per_s=0.53321,
+                       tps_low=0.5012, tps_high=0.5499, plan_tps=0.61, step_time_s=60.0, peak_bytes=2**30,
+                       peak_per_rank=[2**30, 2**30], feasible=True)
+    result = SearchResult(study_name="s", storage=None, workload=cptune.Workload(seq_len=16), world_size=2,
+                          device="cpu", nproc_per_node=2, memory_budget=2**31, trials=[slow])
+    row = result.table().splitlines()[2].split()
+    start = row.index("0.533")  # tokens/s, then plan and the IQR
+    assert row[start:start + 3] == ["0.533", "0.61", "0.501-0.55"], row
+    path = save_recipe(cptune.recipe.recipe_from_search(result), tmp_path / "slow.yaml")
+    assert "0.533 tokens/s" in cli("show", path).output

@@ -12,7 +12,7 @@ from .._defaults import BUDGET_FRACTION
 from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
-from .._sizes import format_size
+from .._sizes import format_rate, format_size
 from .._space import AC_MODES, configurations
 from ..workload import Workload
 from ._calibrate import Calibration
@@ -55,7 +55,7 @@ class Plan:
             if p.infeasible is not None and (i == 1 or shown[i - 2].infeasible is None):
                 lines.append(f"     predicted not to fit the budget of {format_size(self.budget)}:")
             room = (self.budget - p.peak_bytes) / self.budget
-            lines.append(f"{i:>3}  {p.point.label():<{width}} {p.tokens_per_s_per_gpu:>12,.0f} {p.step_s:>8.3f}s "
+            lines.append(f"{i:>3}  {p.point.label():<{width}} {format_rate(p.tokens_per_s_per_gpu):>12} {p.step_s:>8.3f}s "
                          f"{format_size(p.peak_bytes):>10} {room:>8.0%}  {p.infeasible or p.bottleneck}")
         if limit is not None and len(self.predictions) > limit:
             lines.append(f"... {len(self.predictions) - limit} more (--all shows them)")

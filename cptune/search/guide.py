@@ -16,7 +16,7 @@ from ..errors import CPTuneError, Problem, ValidationError
 from ..plan import Calibration, Point, Prediction, calibrate, predict
 from ..plan._dims import dims_from_workload
 from ..plan._hardware import for_device
-from .._sizes import format_size
+from .._sizes import format_rate, format_size
 from ..workload import Workload
 from .memory import PRUNE_FACTOR
 from .racing import INDIFFERENCE
@@ -94,9 +94,9 @@ class Guide:
             return None
         err = cal.error
         if best_tps and p.tokens_per_s * (1 + err) < best_tps * (1 - INDIFFERENCE):
-            return (f"{SKIPPED}: predicted {p.tokens_per_s:,.0f} tokens/s, calibrated error {err:.0%}; "
-                    f"at best {p.tokens_per_s * (1 + err):,.0f}, below {1 - INDIFFERENCE:.0%} of the best measured "
-                    f"at the low end of its noise ({best_tps:,.0f})")
+            return (f"{SKIPPED}: predicted {format_rate(p.tokens_per_s)} tokens/s, calibrated error {err:.0%}; "
+                    f"at best {format_rate(p.tokens_per_s * (1 + err))}, below {1 - INDIFFERENCE:.0%} of the best measured "
+                    f"at the low end of its noise ({format_rate(best_tps)})")
         mem_err = cal.memory_error
         if mem_err is not None and p.peak_bytes * (1 - mem_err) > self.budget:
             return (f"{SKIPPED}: predicted peak {format_size(p.peak_bytes)}, calibrated error {mem_err:.0%}; at "

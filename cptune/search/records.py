@@ -8,7 +8,7 @@ from typing import Any
 import optuna
 
 from ..config import CPConfig
-from .._sizes import format_size
+from .._sizes import format_rate, format_size
 from .._space import AC_MODES, config_key
 from .memory import PRUNE_FACTOR
 
@@ -85,7 +85,7 @@ def dominating(config: CPConfig, ac: str | None, done: dict[str, optuna.trial.Fr
 
 def dominated_reason(by: optuna.trial.FrozenTrial, ac: str, margin: float, budget: int) -> str:
     a = by.user_attrs
-    return (f"skipped: ac-{a.get('ac')} of the same configuration measured {by.value:,.0f} tokens/s and fits "
+    return (f"skipped: ac-{a.get('ac')} of the same configuration measured {format_rate(by.value)} tokens/s and fits "
             f"(peak {format_size(a['peak_bytes'])}{f' + {margin:.0%} margin' if margin else ''} <= budget "
             f"{format_size(budget)}); ac-{ac} recomputes more of the same step and only saves memory")
 

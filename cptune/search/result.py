@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._sizes import format_size
+from .._sizes import format_rate, format_size
 from ..workload import Workload
 from .racing import INDIFFERENCE, TIE_RULE, summary
 from .records import TrialRecord
@@ -72,9 +72,9 @@ class SearchResult:
                 f"{'predicted':>10}{extra}  {'feasible':<8} reason")
         lines = [head, "-" * len(head)]
         for r in self.ranked:
-            tps = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-"
-            plan = f"{r.plan_tps:,.0f}" if r.plan_tps else "-"
-            spread = f"{r.tps_low:,.0f}-{r.tps_high:,.0f}" if r.tps_low is not None else "-"
+            tps = format_rate(r.tokens_per_s) if r.tokens_per_s else "-"
+            plan = format_rate(r.plan_tps) if r.plan_tps else "-"
+            spread = f"{format_rate(r.tps_low)}-{format_rate(r.tps_high)}" if r.tps_low is not None else "-"
             feasible = {True: "yes", False: "no", None: "-"}[r.feasible]
             comp = (f" {r.compile_s:>7.1f}s" if r.compile_s is not None else f" {'-':>8}") if compiled else ""
             room = f"{r.headroom:.0%}" if r.headroom is not None else "-"
