@@ -33,6 +33,12 @@ def _die_on_rank(rank):
     time.sleep(60)
 
 
+def _environment(*names):
+    import sys
+
+    return {n: os.environ.get(n) for n in names}, "torch" in sys.modules
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -144,3 +150,19 @@ def test_close_rank_frees_every_group_while_the_interpreter_lives_and_ranks_exit
     finally:
         group.close()
     assert group.exitcodes == [0, 0]
+
+
+def test_each_group_runs_in_the_parents_environment_of_its_start(monkeypatch):
+    """Ranks fork from a server that imported torch once: a group started later still sees the parent's
+    environment as it is then (a variable set since, one removed since), and torch is there before any job."""
+    monkeypatch.setenv("CPTUNE_LAUNCH_GONE", "1")
+    with WorkerGroup(2, timeout=60) as group:
+        (first, torch_loaded), _ = group.run(_environment, "CPTUNE_LAUNCH_GONE", "CPTUNE_LAUNCH_NEW")
+    assert first == {"CPTUNE_LAUNCH_GONE": "1", "CPTUNE_LAUNCH_NEW": None} and torch_loaded
+    monkeypatch.delenv("CPTUNE_LAUNCH_GONE")
+    monkeypatch.setenv("CPTUNE_LAUNCH_NEW", "2")
+    with WorkerGroup(2, timeout=60, env={"CPTUNE_LAUNCH_OWN": "3"}) as group:
+        later = group.run(_environment, "CPTUNE_LAUNCH_GONE", "CPTUNE_LAUNCH_NEW", "CPTUNE_LAUNCH_OWN",
+                          "OMP_NUM_THREADS")
+    assert [env for env, _ in later] == [{"CPTUNE_LAUNCH_GONE": None, "CPTUNE_LAUNCH_NEW": "2",
+                                          "CPTUNE_LAUNCH_OWN": "3", "OMP_NUM_THREADS": "1"}] * 2
