@@ -60,7 +60,7 @@ def configs_for(world: int, device: str) -> dict[str, CPConfig]:
 
 def sent_bytes(w: Workload, config: CPConfig, expanded: bool = False) -> int:
     """Bytes one rank sends in one forward + backward, from the shapes (``expanded``: K/V at every query head)."""
-    cp = config.mesh_shape[1]
+    cp = config.dp_cp()[1]
     ulysses, ring = config.degrees(cp)
     e, hq = w.itemsize, w.heads
     hk = hq if expanded else (w.kv_heads or hq)

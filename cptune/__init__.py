@@ -34,6 +34,7 @@ from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, scaled_dot_product_attention, \
     unshard
 from .errors import CPTuneError, Problem, ValidationError
+from .mesh import ParallelDims
 from ._rank import close_rank, init_rank
 from .recipe import Recipe, load_recipe, save_recipe
 from . import search  # the subpackage (calling it is the deprecated spelling of tune)
@@ -45,6 +46,7 @@ __all__ = [
     "CPConfig",
     "CPTuneError",
     "CPTuneWarning",
+    "ParallelDims",
     "Problem",
     "RING_ATTENTION_OPS",
     "Recipe",

@@ -37,7 +37,7 @@ from ._hf import enable
 from .attention import packed_documents
 from ._loss import IGNORE_INDEX, shift_labels
 from .config import ConfigLike
-from .context import context_parallel, replica
+from .context import config_for, context_parallel, replica
 from .errors import Problem, raise_if
 
 
@@ -82,6 +82,8 @@ class Trainer(transformers.Trainer):
         """``shuffle``: whether each epoch's order is shuffled (the same on a replica's CP ranks); None: unless
         ``args.train_sampling_strategy`` is "sequential"."""
         _adopt_sharded(kwargs.get("model", args[0] if args else None))
+        config_for(config, recipe).dp_cp(dist.get_world_size() if dist.is_initialized() else 1,
+                                         where="cptune.hf.Trainer does not split a model by tensor parallelism; it runs")
         super().__init__(*args, **kwargs)
         self.cp_config, self.cp_recipe, self.cp_shuffle = config, recipe, shuffle
         self.dp, self.cp, self.replica = replica(config=config, recipe=recipe)

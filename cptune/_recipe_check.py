@@ -62,11 +62,20 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
     problems += _memory_problems(recipe)
     if world_size is not None:
         problems += world_size_problems(recipe, world_size, "world_size")
-    cp = recipe.config.mesh_shape[1] if recipe.config.mesh_shape else recipe.launch.world_size
+    dims = recipe.config.parallel_dims(recipe.launch.world_size)  # the recipe's own ranks (checked at load)
+    cp, w = dims.cp, recipe.workload
     problems += recipe.config.degree_problems(cp)
+    problems += dims.model_problems(heads=w.heads, kv_heads=w.kv_heads or w.heads, ulysses=recipe.config.degrees(cp)[0],
+                                    argument="config.mesh_shape")
     ring = recipe.config.degrees(cp)[1] > 1
     for backend in recipe.config.sdpa_backend or ():
         why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=ring)
         if why and (prov.device_type == "cpu" or torch.cuda.is_available()):
             problems.append(Problem("config.sdpa_backend", f"'{backend}' cannot run here: {why}", rerun))
     return problems
+
+
+def recipe_notes(recipe: Recipe) -> list[str]:
+    """What is allowed but costly in the recipe's layout of ranks: a tp that crosses nodes."""
+    crossing = recipe.config.parallel_dims(recipe.launch.world_size).node_warning(recipe.launch.nproc_per_node)
+    return [crossing] if crossing else []

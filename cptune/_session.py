@@ -18,6 +18,7 @@ from torch.nn.attention import sdpa_kernel
 from . import _loss, _torch_cp
 from . import attention as A
 from .config import CPConfig
+from .mesh import ParallelDims, data_groups, data_rank
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .recipe import world_size_problems
 from ._validate import BufferPlan, check_buffers, transport_problems
@@ -74,6 +75,7 @@ class _Session:
         self.cp_rank = self.dp_rank = 0
         self.ulysses_group: dist.ProcessGroup | None = None  # ranks that trade heads (Ulysses / hybrid)
         self.ring_group: dist.ProcessGroup | None = None  # ranks that pass key/value blocks round (ring / hybrid)
+        self.dims = ParallelDims()
         self.mesh: DeviceMesh | None = None
         self.cp_mesh: DeviceMesh | None = None
         self.group: dist.ProcessGroup | None = None
@@ -169,29 +171,25 @@ class _Session:
             if not isinstance(mesh, DeviceMesh):
                 return [Problem("mesh", f"is a {type(mesh).__name__}, not a DeviceMesh",
                                 "pass a torch.distributed.device_mesh.DeviceMesh or mesh=None")]
-            names = mesh.mesh_dim_names or ()
-            if mesh.ndim == 1:
-                self.cp_mesh = mesh
-            elif "cp" in names:
-                self.cp_mesh = mesh["cp"]
-            else:
-                return [Problem("mesh", f"has {mesh.ndim} dims named {names} and none is 'cp'",
-                                "pass a 1-D mesh, or name the context-parallel dim 'cp'")]
+            self.dims, problems = ParallelDims.of_mesh(mesh)
+            if problems:
+                return problems
+            self.cp_mesh = mesh if mesh.ndim == 1 else mesh["cp"]
             self.mesh, self.device_type = mesh, mesh.device_type
-            self.cp = self.cp_mesh.size()
-            self.dp = mesh.size() // self.cp
+            self.dp, self.cp = self.dims.dp, self.dims.cp
             if self.config.mesh_shape is not None:
                 try:
-                    wanted = self.config.resolve_mesh_shape(mesh.size())
+                    wanted = self.config.parallel_dims(mesh.size())
                 except ValidationError as exc:
                     return list(exc.problems)
-                if wanted != (self.dp, self.cp):
-                    return [Problem("config.mesh_shape", f"{wanted} disagrees with the mesh passed "
-                                    f"(dp={self.dp}, cp={self.cp})", "drop config.mesh_shape or pass mesh=None")]
+                if wanted != self.dims:
+                    return [Problem("config.mesh_shape", f"{self.config.mesh_shape} ({wanted.label()}) disagrees with "
+                                    f"the mesh passed ({self.dims.label()})", "drop config.mesh_shape or pass mesh=None")]
             return []
         world = dist.get_world_size() if dist.is_initialized() else 1
         try:
-            self.dp, self.cp = self.config.resolve_mesh_shape(world)
+            self.dims = self.config.parallel_dims(world)
+            self.dp, self.cp = self.dims.dp, self.dims.cp
         except ValidationError as exc:
             problems = list(exc.problems)
             if not dist.is_initialized():
@@ -214,10 +212,10 @@ class _Session:
         return problems
 
     def _build_mesh(self) -> None:
-        if self.cp_mesh is None and self.cp > 1:
-            key = (self.device_type, self.dp, self.cp, id(dist.group.WORLD))
+        if self.cp_mesh is None and (self.cp > 1 or not self.dims.is_dp_cp):
+            key = (self.device_type, self.dims, id(dist.group.WORLD))
             if key not in _MESHES:
-                _MESHES[key] = init_device_mesh(self.device_type, (self.dp, self.cp), mesh_dim_names=("dp", "cp"))
+                _MESHES[key] = self.dims.device_mesh(self.device_type)
             self.mesh = _MESHES[key]
             self.cp_mesh = self.mesh["cp"]
         if self.cp_mesh is not None:
@@ -230,8 +228,10 @@ class _Session:
             else:
                 self.ulysses_group, self.ring_group = A.hybrid_groups(self.mesh or self.cp_mesh, self.cp,
                                                                                   self.ulysses)
-        if self.mesh is not None and self.mesh.ndim == 2:
-            self.dp_rank = self.mesh.get_local_rank(0)
+        if self.mesh is not None:
+            self.dp_rank = data_rank(self.mesh)
+        elif dist.is_initialized():  # no mesh: every rank its own replica (cp = 1, tp = 1)
+            self.dp_rank = self.dims.replica(dist.get_rank())
 
     def _shard(self, no_restore: Sequence[Any], inplace: bool) -> None:
         for name, t, dim in zip(self.plan.names, self.plan.tensors, self.plan.dims):
@@ -347,8 +347,9 @@ class _Session:
                           "(this dp replica)")] if over not in ("all", "cp") else [])
         groups = [self.group] if self.group is not None else []
         if over == "all" and self.dp > 1:
-            # the dp dim of the ("dp", "cp") mesh; with cp = 1 no mesh is built and the world is dp
-            groups.append(self.mesh.get_group(0) if self.mesh is not None else dist.group.WORLD)
+            # the mesh's data-parallel dims (never tp: its ranks hold the same tokens); with cp = 1 and no tp, no
+            # mesh is built and the world is dp
+            groups += data_groups(self.mesh) if self.mesh is not None else [dist.group.WORLD]
         return _loss.count_items(labels, groups, self.cp * (self.dp if over == "all" else 1), ignore_index)
 
     def unshard(self, tensors: Any, seq_dims: Any) -> Any:

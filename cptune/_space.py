@@ -31,7 +31,7 @@ def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
 def canonical(config: CPConfig) -> CPConfig:
     """The same configuration written one way: with cp == 1 the strategy, rotate method and load
     balancing don't apply; under Ulysses the rotate method and load balancing don't."""
-    if config.mesh_shape and config.mesh_shape[1] == 1:
+    if config.mesh_shape and config.dp_cp()[1] == 1:
         return config.model_copy(update={"rotate_method": "allgather", "load_balance": False, "strategy": "ring",
                                          "ulysses_degree": None})
     if config.strategy == "ulysses":
@@ -42,7 +42,7 @@ def canonical(config: CPConfig) -> CPConfig:
 def config_key(config: CPConfig, ac: str | None = None) -> str:
     """One name per distinct configuration (with ``ac``: the activation checkpointing a search tries with it)."""
     c = canonical(config)
-    dp, cp = c.mesh_shape
+    dp, cp = c.dp_cp()
     backend = "+".join(c.sdpa_backend) + (f"-ac-{ac}" if ac else "")
     if c.strategy == "ulysses":
         return f"dp{dp}-cp{cp}-ulysses-{backend}"
@@ -61,7 +61,7 @@ def config_from(params: dict) -> CPConfig:
 
 def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None) -> str | None:
     """Why ``config`` can never run this workload (on ``device_type``'s kernels; None: not checked), or None."""
-    dp, cp = config.mesh_shape
+    dp, cp = config.dp_cp()
     s = workload.seq_len
     split = config.degree_problems(cp)
     if split:

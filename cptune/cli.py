@@ -153,7 +153,7 @@ def show(recipe_path, as_json) -> None:
                    + f", {w.seq_len} tokens x {w.batch} per replica, {w.documents or 'unpacked'}, ac {w.ac}, "
                    f"compile {'on' if w.compile else 'off'}, FSDP2 over dp x cp, AdamW")
     c = recipe.config
-    cp_ranks = c.mesh_shape[1] if c.mesh_shape else recipe.launch.world_size
+    cp_ranks = c.parallel_dims(recipe.launch.world_size).cp
     click.echo(f"config   : {c.label()}" + ("" if cp_ranks == 1 else f"  (strategy {c.strategy}"
                + (f", ulysses_degree {c.ulysses_degree}" if c.ulysses_degree else "") + ")"))
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
@@ -184,10 +184,13 @@ def show(recipe_path, as_json) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the mismatches as JSON (exit 1 if any).")
 def check(recipe_path, world_size, as_json) -> None:
     """Compare RECIPE with this environment; list every mismatch with its fix (exit 1 if any)."""
-    from ._recipe_check import check_recipe
+    from ._recipe_check import check_recipe, recipe_notes
     from .recipe import load_recipe
 
-    problems = check_recipe(load_recipe(recipe_path), world_size)
+    recipe = load_recipe(recipe_path)
+    problems = check_recipe(recipe, world_size)
+    for note in recipe_notes(recipe):
+        click.echo(f"note: {note}", err=True)
     if as_json:
         click.echo(json.dumps({"recipe": recipe_path, "ok": not problems, "problems": [
             {"argument": p.argument, "message": p.message, "fix": p.fix} for p in problems]}, indent=2))

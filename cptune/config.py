@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .attention import SDPA_BACKENDS
 from .errors import Problem, ProblemError, ValidationError
+from .mesh import ParallelDims, full_shape, shape_label
 
 ROTATE_METHODS = ("allgather", "alltoall")
 """How the ring passes key/value blocks (``config.rotate_method``): the one list."""
@@ -71,14 +72,15 @@ class CPConfig(StrictModel):
     )
     """How key/value shards travel between CP ranks. PyTorch's default is 'allgather'."""
 
-    mesh_shape: tuple[int, int] | None = Field(
+    mesh_shape: tuple[int, ...] | None = Field(
         None,
         json_schema_extra={
-            "fix": "give mesh_shape=(dp, cp) with positive integers whose product is the world size, "
-            "or -1 for one of them to infer it"
+            "fix": "give mesh_shape=(dp, cp) or (dp_replicate, dp_shard, cp, tp) with positive integers whose "
+            "product is the world size, or -1 for one of them to infer it"
         },
     )
-    """(dp, cp). None means (1, world size): every rank does context parallelism."""
+    """(dp, cp), or the whole named mesh (dp_replicate, dp_shard, cp, tp) (:class:`cptune.ParallelDims`; (dp, cp) is
+    (1, dp, cp, 1)). None means every rank does context parallelism."""
 
     sdpa_backend: tuple[SDPABackendName, ...] | None = Field(
         None,
@@ -149,30 +151,39 @@ class CPConfig(StrictModel):
 
     @field_validator("mesh_shape")
     @classmethod
-    def _positive(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+    def _positive(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
         if value is not None:
-            if any(v == 0 or v < -1 for v in value) or value == (-1, -1):
+            if len(value) not in (2, 4):
+                raise ValueError(f"has {len(value)} degrees: give 2, (dp, cp), or 4, (dp_replicate, dp_shard, cp, tp)")
+            if any(v == 0 or v < -1 for v in value) or value.count(-1) > 1:
                 raise ValueError("degrees must be positive, with at most one -1 (inferred)")
         return value
 
+    def parallel_dims(self, world_size: int | None = None) -> ParallelDims:
+        """The named mesh for ``world_size`` ranks (None: the mesh_shape's own product, which must be given in full);
+        raises ValidationError if the degrees don't multiply up."""
+        if world_size is None:
+            if self.mesh_shape is None or -1 in self.mesh_shape:
+                raise ValidationError([Problem("config.mesh_shape", f"is {self.mesh_shape!r}: the world size is "
+                                               "needed to resolve it", "give every degree of mesh_shape")])
+            world_size = math.prod(self.mesh_shape)
+        return ParallelDims.from_shape(self.mesh_shape, world_size)
+
+    def dp_cp(self, world_size: int | None = None, *,
+              where: str = "the search's and the plan's step and memory models price") -> tuple[int, int]:
+        """(dp, cp) of this configuration on ``world_size`` ranks (None: its mesh given in full) for code that runs or
+        prices data and context parallelism only: a mesh with tp or dp_replicate is refused by name, never run or
+        priced as if it were dp x cp."""
+        dims = self.parallel_dims(world_size)
+        if not dims.is_dp_cp:
+            raise ValidationError([Problem("config.mesh_shape", f"is {dims.label()}: {where} (dp, cp) meshes only",
+                                           "give a (dp, cp) mesh (dp_replicate and tp 1)")])
+        return dims.dp_shard, dims.cp
+
     def resolve_mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(dp, cp) for ``world_size`` ranks; raises ValidationError if they don't multiply up."""
-        if self.mesh_shape is None:
-            return (1, world_size)
-        dp, cp = self.mesh_shape
-        if dp == -1 and world_size % cp == 0:
-            dp = world_size // cp
-        elif cp == -1 and world_size % dp == 0:
-            cp = world_size // dp
-        if dp * cp != world_size or dp < 1 or cp < 1:
-            raise ValidationError([
-                Problem(
-                    "config.mesh_shape",
-                    f"{self.mesh_shape} does not multiply to the world size {world_size}",
-                    f"use a (dp, cp) with dp * cp == {world_size}, e.g. (1, {world_size})",
-                )
-            ])
-        return (dp, cp)
+        """(dp replicas, cp) for ``world_size`` ranks; raises ValidationError if the degrees don't multiply up."""
+        dims = self.parallel_dims(world_size)
+        return (dims.dp, dims.cp)
 
     def degrees(self, cp: int) -> tuple[int, int]:
         """(ulysses degree, ring degree) for a CP degree; their product is ``cp``.
@@ -204,12 +215,12 @@ class CPConfig(StrictModel):
 
     def label(self) -> str:
         """A short human-readable name, e.g. 'dp1·cp2 alltoall lb flash', or 'dp2·cp1 flash' without CP."""
-        dp, cp = self.mesh_shape or (1, -1)
+        shape = full_shape(self.mesh_shape or (1, -1))
+        cp, head = shape[2], shape_label(shape)
         backend = "+".join(self.sdpa_backend) if self.sdpa_backend else "default"
         if cp == 1:  # no ring: rotate method and load balancing do not apply
-            return f"dp{dp}·cp1 {backend}"
+            return f"{head} {backend}"
         lb = {True: "lb", False: "no-lb", "auto": "lb-auto"}[self.load_balance]
-        head = f"dp{dp}·cp{cp if cp > 0 else 'N'}"
         if self.strategy == "ulysses":
             return f"{head} ulysses {backend}"
         if self.strategy == "hybrid":

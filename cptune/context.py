@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import attention as A
 from ._session import _Session, active
-from .config import ConfigLike, as_config
+from .config import ConfigLike, CPConfig, as_config
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
+from .mesh import ParallelDims, data_rank
 from .recipe import ENV_VAR, Recipe, load_recipe
 
 
@@ -31,6 +32,11 @@ def _recipe_for(config: ConfigLike, recipe: Any) -> Any:
         return recipe
     return load_recipe(recipe)
 
+
+def config_for(config: ConfigLike, recipe: Any) -> CPConfig:
+    """The configuration to run: the recipe's (:func:`_recipe_for`), else ``config``, else the default."""
+    found = _recipe_for(config, recipe)
+    return found.config if found is not None else as_config(config)
 
 
 class context_parallel:  # noqa: N801 - used like a function, as torch's own context_parallel
@@ -67,8 +73,11 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
     ``left`` earlier and ``right`` later tokens besides itself (with causal attention, earlier
     only), e.g. ``(4095, 0)`` for Mistral's ``sliding_window=4096``. They apply with cp = 1 too.
 
-    ``mesh``: a 1-D mesh, or one with a dim named "cp"; None builds a ("dp", "cp") mesh of
-    ``config.mesh_shape`` over the default process group. On exit every global cptune set
+    ``mesh``: a 1-D mesh (all CP), or a named mesh whose dims are named from dp_replicate, dp_shard (or dp),
+    cp and tp, one of them "cp" (a torchtitan-style world mesh): buffers are sharded over cp only, every tp rank
+    of a cp rank holding the same tokens (and attending on the heads it holds); replicas are its data-parallel
+    dims. None builds the mesh of ``config.mesh_shape`` (:class:`cptune.ParallelDims`) over the default process
+    group: ("dp", "cp") for a (dp, cp) shape, all four dims otherwise. On exit every global cptune set
     (SDPA kernel choice, torch's rotate method and load-balance flag, the SDPA hook) is back
     as it was, also when the block raises.
 
@@ -195,7 +204,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel replica (its row in the ("dp", "cp") mesh)."""
+        """This rank's data-parallel replica: its coordinates in the mesh's data-parallel dims (never tp)."""
         return self._require().dp_rank
 
     def unshard(self, tensors: Any, seq_dims: Any) -> Any:
@@ -205,7 +214,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         """The divisor that turns this rank's *summed* token loss into its exact share of the mean.
 
         ``labels``: this rank's shard of the (already shifted) labels. ``over="all"`` (default):
-        the mean over every valid token of the global batch (all dp x cp ranks);
+        the mean over every valid token of the global batch (all dp x cp ranks; tp ranks hold the same tokens);
         ``over="cp"``: the mean over this dp replica's tokens, averaged over replicas (DDP's
         convention). Gradients averaged over all ranks (FSDP/DDP, cptune's buffer grads) are
         then the single-device gradient of that mean. transformers' causal-LM losses take it
@@ -219,25 +228,30 @@ def _stop(session: _Session, failing: bool = False) -> None:
     session.stop(failing=failing)
 
 
-def replica(*, config: ConfigLike = None, recipe: Any = None) -> tuple[int, int, int]:
-    """(dp, cp, this rank's replica): the ("dp", "cp") mesh is row-major, so replica = rank // cp.
-    ``config``/``recipe`` as for :class:`context_parallel` ($CPTUNE_RECIPE when neither is given)."""
-    found = _recipe_for(config, recipe)
-    cfg = found.config if found is not None else as_config(config)
+def replica(*, config: ConfigLike = None, recipe: Any = None, mesh: DeviceMesh | None = None) -> tuple[int, int, int]:
+    """(dp replicas, cp, this rank's replica). The named mesh is row-major with tp innermost, so the replica is
+    rank // (cp x tp): the cp and tp ranks of a replica share its rows. ``config``/``recipe`` as for
+    :class:`context_parallel` ($CPTUNE_RECIPE when neither is given); ``mesh``: a named device mesh instead (its
+    data-parallel dims say the replica)."""
+    if mesh is not None:
+        dims, problems = ParallelDims.of_mesh(mesh)
+        raise_if(problems)
+        return dims.dp, dims.cp, data_rank(mesh)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    dp, cp = cfg.resolve_mesh_shape(world)
-    return dp, cp, rank // cp
+    dims = config_for(config, recipe).parallel_dims(world)
+    return dims.dp, dims.cp, dims.replica(rank)
 
 
-def replica_rows(global_batch: int, *, config: ConfigLike = None, recipe: Any = None) -> slice:
-    """This rank's rows of a global batch: its dp replica's share, the same on all of the replica's CP ranks.
-    ``config``/``recipe`` as for :class:`context_parallel` ($CPTUNE_RECIPE when neither is given). Use it
-    before the step::
+def replica_rows(global_batch: int, *, config: ConfigLike = None, recipe: Any = None,
+                 mesh: DeviceMesh | None = None) -> slice:
+    """This rank's rows of a global batch: its dp replica's share, the same on all of the replica's CP and TP ranks.
+    ``config``/``recipe`` as for :class:`context_parallel` ($CPTUNE_RECIPE when neither is given), or the named
+    ``mesh`` the block is given. Use it before the step::
 
         rows = cptune.replica_rows(len(batch), recipe=recipe)
         loss = train_step(input_ids[rows], labels[rows], positions[rows])
     """
-    dp, _, index = replica(config=config, recipe=recipe)
+    dp, _, index = replica(config=config, recipe=recipe, mesh=mesh)
     if global_batch % dp:
         raise ValidationError([Problem("global_batch", f"{global_batch} rows do not split over {dp} dp replicas",
                                        f"use a global batch divisible by {dp}, or a config with another dp degree")])

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from ._env import environment
 from .config import CPConfig, StrictModel
-from .errors import CPTuneError, Problem, ValidationError, raise_if
+from .errors import CPTuneError, Problem, ProblemError, ValidationError, raise_if
 from .workload import Workload
 
 SCHEMA_VERSION = 1
@@ -117,6 +117,18 @@ class Recipe(StrictModel):
     provenance: Provenance
     metrics: Metrics
 
+    @pydantic.model_validator(mode="after")
+    def _mesh_is_the_world(self) -> Recipe:
+        """The configuration's mesh holds the ranks the recipe launches: named at load, before any rank starts."""
+        try:
+            self.config.parallel_dims(self.launch.world_size)
+        except ValidationError as exc:
+            problem = exc.problems[0]
+            raise ProblemError(Problem(problem.argument, f"{problem.message} (launch: {self.launch.nnodes} node(s) x "
+                                       f"{self.launch.nproc_per_node} ranks)", problem.fix + ", or launch that many "
+                                       "ranks")) from None
+        return self
+
     def torchrun_args(self, script: str | None = None, args: list[str] | None = None, *, nnodes: int | None = None,
                       node_rank: int | None = None, rdzv_endpoint: str | None = None,
                       torchrun_options: list[str] = ()) -> list[str]:
@@ -183,8 +195,7 @@ class Recipe(StrictModel):
                                    "measured configuration"}
         try:
             patched = Recipe(**data)
-            _, cp = patched.config.resolve_mesh_shape(patched.launch.world_size)
-            raise_if(patched.config.degree_problems(cp))
+            raise_if(patched.config.degree_problems(patched.config.parallel_dims(patched.launch.world_size).cp))
         except ValidationError as exc:
             raise ValidationError([Problem(f"override {pr.argument}", pr.message, pr.fix) for pr in exc.problems]) \
                 from None

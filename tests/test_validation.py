@@ -229,7 +229,7 @@ BAD_INPUTS = {
     "backend_math_under_cp": ("config.sdpa_backend", "cannot be merged across ranks"),
     "mesh_shape_vs_world": ("config.mesh_shape", "dp * cp == 2"),
     "device_vs_mesh": ("buffers[0]", "move it with .to('cpu')"),
-    "mesh_without_cp_dim": ("mesh", "name the context-parallel dim 'cp'"),
+    "mesh_without_cp_dim": ("mesh", "name the dims from dp_replicate, dp_shard (or dp), cp and tp, one of them 'cp'"),
     "other_thread": ("scaled_dot_product_attention", "run this attention on the block's thread"),
 }
 

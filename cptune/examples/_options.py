@@ -65,7 +65,7 @@ def mesh_and_batch(config: Any, recipe: Any, batch: int | None) -> tuple[int, in
     """(dp, cp, global batch) of ``config`` on this job's ranks: ``batch``, else as the recipe was measured (its
     batch per replica on every replica), else 2; refused, naming --batch, when its rows do not split over dp."""
     world = world_size()
-    dp, cp = config.resolve_mesh_shape(world)
+    dp, cp = config.dp_cp(world, where="the training scripts build models sharded by FSDP2 over")
     batch = batch or (dp * recipe.workload.batch if recipe else 2)
     if batch % dp:
         raise ValidationError([Problem("batch", f"{batch} rows do not split over the {dp} dp replicas of "

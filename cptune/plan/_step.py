@@ -190,7 +190,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
 
     ``gemm_dtype``: the linear layers' dtype when it is not the workload's (``float8`` for Float8 training)."""
     w, c, eff = workload, point.config, hw.efficiency
-    dp, cp = c.mesh_shape
+    dp, cp = c.dp_cp()
     world = dp * cp
     ulysses, ring = c.degrees(cp)
     lb = decide_load_balance(c.load_balance, causal=w.causal, cp=cp, ring=ring, seq_len=w.seq_len).on

@@ -62,7 +62,7 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
     _release_free_memory()
     baseline = current_usage(device)
     reset_peak(device)
-    cp = config.mesh_shape[1]
+    cp = config.dp_cp()[1]
     docs, window = workload.document_ids(), workload.window_pair
     if workload.ac == "auto":
         raise CPTuneError("a trial runs one activation checkpointing mode; ac='auto' is the search's dimension")
@@ -129,7 +129,7 @@ def baseline_on_rank(mesh_shapes: Sequence[tuple[int, int]] = ()) -> int:
 
 def tokens_per_step(workload: Workload, config: CPConfig) -> int:
     """Tokens the whole world processes in one step: dp replicas x batch x sequence length."""
-    return config.mesh_shape[0] * workload.batch * workload.seq_len
+    return config.dp_cp()[0] * workload.batch * workload.seq_len
 
 
 def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, base: int | None = None) -> dict:

@@ -30,7 +30,7 @@ def predict_peak(workload: Workload, config: CPConfig, baseline: int = 0) -> int
     accumulation buffers, q/k/v grads, and under Ulysses the head-sharded copies.
     """
     w = workload
-    dp, cp = config.mesh_shape
+    dp, cp = config.dp_cp()
     ulysses, ring_degree = config.degrees(cp)
     local = w.seq_len // cp
     e, f32 = w.itemsize, 4

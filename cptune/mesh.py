@@ -1,0 +1,179 @@
+"""The named mesh: ``dp_replicate x dp_shard x cp x tp``, the four ways a job's ranks split its work.
+
+torchtitan's ``ParallelDims`` and accelerate's ``ParallelismConfig`` name the same axes. Ranks are laid out
+row-major in that order, so ``tp`` is innermost (its ranks are neighbours: one node) and ``dp_replicate``
+outermost (across nodes, where HSDP only reduces gradients):
+
+- ``dp_replicate``, ``dp_shard``: data parallelism, each replica its own rows of the global batch; FSDP2
+  shards the model over ``dp_shard x cp`` and replicates it over ``dp_replicate``.
+- ``cp``: context parallelism, each rank its slice of the sequence (the block shards buffers over it only).
+- ``tp``: tensor parallelism, each rank its share of every layer's heads and columns; the tp ranks of a
+  replica hold the same tokens and the same rows.
+
+A configuration written as ``(dp, cp)`` (every recipe before the named mesh) is ``(1, dp, cp, 1)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import Problem, ValidationError, raise_if
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dims, outermost first: the one list."""
+DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
+"""Names a device mesh's data-parallel dims may carry ('dp': the (dp, cp) mesh cptune built before the named mesh,
+and a user's; read as dp_shard)."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How many ranks each dim of the mesh has. Checked at construction: every degree a positive integer."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        raise_if([Problem(f"mesh.{f.name}", f"is {getattr(self, f.name)!r}", "give a positive integer")
+                  for f in fields(self) if type(getattr(self, f.name)) is not int or getattr(self, f.name) < 1])
+
+    @classmethod
+    def from_shape(cls, shape: Sequence[int] | None, world: int, argument: str = "config.mesh_shape"
+                   ) -> ParallelDims:
+        """The mesh of ``world`` ranks a configuration's ``mesh_shape`` asks for: None (every rank CP), ``(dp, cp)``
+        or ``(dp_replicate, dp_shard, cp, tp)``, one entry possibly -1 (inferred). Raises a ValidationError naming
+        ``argument`` when the degrees do not multiply to the world."""
+        if shape is None:
+            return cls(cp=world)
+        values = list(full_shape(shape))
+        known = math.prod(v for v in values if v != -1)
+        if -1 in values and known and world % known == 0:
+            values[values.index(-1)] = world // known
+        if math.prod(values) != world or min(values) < 1:
+            raise ValidationError([Problem(argument, f"{tuple(shape)} does not multiply to the world size {world}",
+                                           _shape_fix(len(shape), world))])
+        return cls(*values)
+
+    @classmethod
+    def of_mesh(cls, mesh: Any) -> tuple[ParallelDims, list[Problem]]:
+        """The dims of a user's device mesh: a 1-D mesh is all CP; otherwise its dims are named from
+        :data:`DIM_NAMES` ('dp' read as dp_shard), one of them 'cp'. Problems name what cannot be read."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim == 1:
+            return cls(cp=mesh.size()), []
+        unknown = [n for n in names if n not in DIM_NAMES and n != "dp"] if names else ["(unnamed)"]
+        if "cp" not in names or unknown or len(set(names)) != len(names):
+            return cls(), [Problem("mesh", f"has {mesh.ndim} dims named {names or None}", "name the dims from "
+                                   "dp_replicate, dp_shard (or dp), cp and tp, one of them 'cp', each once; "
+                                   "pipeline stages are not a cptune dim: pass the mesh of one stage")]
+        if "dp" in names and "dp_shard" in names:
+            return cls(), [Problem("mesh", f"names both 'dp' and 'dp_shard' {names}", "name the data-parallel "
+                                   "dims dp_replicate and dp_shard (or one dim dp)")]
+        size = dict(zip(names, mesh.mesh.shape))
+        return cls(size.get("dp_replicate", 1), size.get("dp_shard", size.get("dp", 1)), size["cp"],
+                   size.get("tp", 1)), []
+
+    # -- what the mesh is ------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas: each has its own rows of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def is_dp_cp(self) -> bool:
+        """Whether this is the (dp, cp) mesh of every configuration before the named mesh (no tp, no HSDP)."""
+        return self.tp == 1 and self.dp_replicate == 1
+
+    def replica(self, rank: int) -> int:
+        """The data-parallel replica of global ``rank`` (row-major: the cp x tp ranks of a replica are neighbours)."""
+        return rank // (self.cp * self.tp)
+
+    def label(self) -> str:
+        """'dp2·cp4', 'dp1·cp2·tp2', 'dpr2·dp2·cp2·tp2': the (dp, cp) mesh's label as before, tp and HSDP when used."""
+        return shape_label(self.shape)
+
+    # -- what it can run -----------------------------------------------------------------------
+    def model_problems(self, *, heads: int | None = None, kv_heads: int | None = None,
+                       intermediate: int | None = None, ulysses: int = 1, argument: str = "mesh.tp") -> list[Problem]:
+        """Why a model cannot be split by this mesh's tp (and a Ulysses degree over the heads each tp rank holds):
+        every problem at once."""
+        problems = []
+        for what, count in (("query heads", heads), ("key/value heads", kv_heads),
+                            ("intermediate size", intermediate)):
+            if count is not None and count % self.tp:
+                problems.append(Problem(argument, f"{self.tp} does not divide the {count} {what}",
+                                        f"use a tp that divides {count}"))
+        if heads is not None and ulysses > 1 and heads % self.tp == 0 and (heads // self.tp) % ulysses:
+            problems.append(Problem("config.ulysses_degree", f"{ulysses} Ulysses ranks do not divide the "
+                                    f"{heads // self.tp} query heads each of tp={self.tp} ranks holds ({heads} in all)",
+                                    "use a Ulysses degree that divides the heads of one tp rank, or the ring"))
+        return problems
+
+    def node_warning(self, ranks_per_node: int | None) -> str | None:
+        """What to say when tp crosses nodes (allowed, and priced by the plan; slow: every layer reduces over it)."""
+        if ranks_per_node is None or ranks_per_node % self.tp == 0:
+            return None
+        return (f"tp={self.tp} spans more than one node of {ranks_per_node} ranks: every layer's reductions "
+                "cross the inter-node link; use a tp that divides the ranks per node")
+
+    def device_mesh(self, device_type: str) -> Any:
+        """The torch DeviceMesh over the world: ('dp', 'cp') as before for a (dp, cp) mesh, else all four named
+        dims (size-1 dims included, so every name is there to index). A collective: every rank calls it."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.is_dp_cp:
+            return init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp", "cp"))
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+
+
+def full_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """A mesh_shape as its four degrees, outermost first ((dp, cp) is (1, dp, cp, 1)); -1 stays -1."""
+    return tuple(shape) if len(shape) == len(DIM_NAMES) else (1, shape[0], shape[1], 1)
+
+
+def shape_label(shape: Sequence[int]) -> str:
+    """A mesh's label from its degrees ('N' for one not yet inferred): tp and dp_replicate shown when not 1."""
+    dpr, dps, cp, tp = (str(v) if v > 0 else "N" for v in full_shape(shape))
+    return ("" if dpr == "1" else f"dpr{dpr}·") + f"dp{dps}·cp{cp}" + ("" if tp == "1" else f"·tp{tp}")
+
+
+def data_dims(mesh: Any) -> list[str]:
+    """The names of a named device mesh's data-parallel dims, outermost first."""
+    return [n for n in (mesh.mesh_dim_names or ()) if n in DATA_DIMS] if mesh.ndim > 1 else []
+
+
+def data_rank(mesh: Any) -> int:
+    """This rank's data-parallel replica in ``mesh``: its coordinates in the data dims, row-major."""
+    index = 0
+    for name in data_dims(mesh):
+        index = index * mesh[name].size() + mesh.get_local_rank(name)
+    return index
+
+
+def data_groups(mesh: Any) -> list[Any]:
+    """The process groups of ``mesh``'s data-parallel dims with more than one rank: a sum over each in turn is
+    the sum over every replica (one group per dim: no flattened mesh needed)."""
+    return [mesh.get_group(name) for name in data_dims(mesh) if mesh[name].size() > 1]
+
+
+def _shape_fix(length: int, world: int) -> str:
+    if length == len(DIM_NAMES):
+        return (f"use (dp_replicate, dp_shard, cp, tp) whose product is {world}, e.g. (1, 1, {world}, 1), "
+                "or -1 for one of them to infer it")
+    return f"use a (dp, cp) with dp * cp == {world}, e.g. (1, {world}), or -1 for one of them to infer it"
+
+
+__all__ = ["DIM_NAMES", "ParallelDims"]

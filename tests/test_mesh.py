@@ -1,0 +1,182 @@
+"""The named mesh (dp_replicate x dp_shard x cp x tp): its rules, (dp, cp) configurations read as before, and the
+block on a mesh with a tp dim: buffers sharded over cp only, attention on each tp rank's heads exact, replicas and
+token counts over the data-parallel dims only, on real gloo ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import cptune
+from cptune.attention import _documents
+from cptune.errors import ValidationError
+from cptune.mesh import ParallelDims
+from cptune.recipe import load_recipe
+from tests._helpers import max_err
+from tests.test_numerics import FP32_TOL
+
+
+# -- the type -----------------------------------------------------------------------------------
+
+
+def test_a_dp_cp_shape_is_the_named_mesh_without_tp():
+    assert ParallelDims.from_shape((2, 4), 8) == ParallelDims(1, 2, 4, 1)
+    assert ParallelDims.from_shape((-1, 2), 8) == ParallelDims(1, 4, 2, 1)
+    assert ParallelDims.from_shape(None, 8) == ParallelDims(cp=8)
+    assert ParallelDims.from_shape((2, 1, -1, 2), 16) == ParallelDims(2, 1, 4, 2)
+    dims = ParallelDims(2, 2, 2, 2)
+    assert (dims.world, dims.dp, dims.label()) == (16, 4, "dpr2·dp2·cp2·tp2")
+    assert [dims.replica(r) for r in (0, 3, 4, 15)] == [0, 0, 1, 3]  # the cp x tp ranks of a replica: neighbours
+    assert cptune.CPConfig(mesh_shape=(2, 2)).label() == "dp2·cp2 allgather lb-auto default"  # as before
+    assert cptune.CPConfig(mesh_shape=(1, 1, 2, 2)).label().startswith("dp1·cp2·tp2 ")
+    assert cptune.CPConfig(mesh_shape=(1, -1, 2, 2)).resolve_mesh_shape(8) == (2, 2)
+
+
+@pytest.mark.parametrize("shape,world,match", [
+    ((1, 2, 2, 2), 4, r"config.mesh_shape: \(1, 2, 2, 2\) does not multiply to the world size 4.*dp_replicate"),
+    ((3, 2), 4, r"config.mesh_shape: \(3, 2\) does not multiply.*dp \* cp == 4"),
+])
+def test_a_mesh_that_is_not_the_world_is_named(shape, world, match):
+    with pytest.raises(ValidationError, match=match):
+        cptune.CPConfig(mesh_shape=shape).parallel_dims(world)
+
+
+@pytest.mark.parametrize("shape,match", [((1, 2, 3), "has 3 degrees: give 2"), ((1, -1, 1, -1), "at most one -1"),
+                                         ((1, 0, 1, 1), "must be positive")])
+def test_a_malformed_mesh_shape_is_named(shape, match):
+    with pytest.raises(ValidationError, match=f"mesh_shape: .*{match}"):
+        cptune.CPConfig(mesh_shape=shape)
+
+
+def test_tp_that_does_not_split_the_model_is_named_all_at_once():
+    problems = ParallelDims(tp=4).model_problems(heads=10, kv_heads=2, intermediate=30, ulysses=1)
+    assert [p.argument for p in problems] == ["mesh.tp"] * 3
+    assert ["2 key/value heads" in p.message for p in problems] == [False, True, False]
+    assert ParallelDims(tp=2).model_problems(heads=8, kv_heads=2, intermediate=64) == []
+    ulysses = ParallelDims(cp=4, tp=2).model_problems(heads=12, ulysses=4)
+    assert [p.argument for p in ulysses] == ["config.ulysses_degree"] and "6 query heads each" in ulysses[0].message
+    assert ParallelDims(cp=4, tp=2).model_problems(heads=16, ulysses=4) == []
+    with pytest.raises(ValidationError, match="mesh.tp: is 0"):
+        ParallelDims(tp=0)
+
+
+def test_tp_across_nodes_is_allowed_with_a_warning():
+    assert ParallelDims(cp=2, tp=8).node_warning(8) is None
+    assert "spans more than one node of 4 ranks" in ParallelDims(cp=2, tp=8).node_warning(4)
+    assert ParallelDims(tp=8).node_warning(None) is None
+
+
+def test_recipes_written_before_the_named_mesh_load_and_verify_as_before():
+    recipe = load_recipe("recipes/cpu-2r-s1024-noncausal.yaml")
+    assert recipe.config.mesh_shape == (2, 1) and recipe.config.parallel_dims(2) == ParallelDims(dp_shard=2)
+    assert recipe.figures_apply  # its digest still matches: the mesh's new dims are not written at their defaults
+
+
+def test_what_runs_or_prices_dp_x_cp_only_refuses_tp_by_name(monkeypatch):
+    """The training scripts, the Trainer, the search and the plan split no layer by tp: a tp recipe is refused, not
+    run (or priced) as if it were dp x cp."""
+    from cptune.examples._options import mesh_and_batch
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    tp = cptune.CPConfig(mesh_shape=(1, 1, 2, 2))
+    with pytest.raises(ValidationError, match=r"config.mesh_shape: is dp1·cp2·tp2: the training scripts .* \(dp, cp\) "
+                       r"meshes only. Fix: give a \(dp, cp\) mesh"):
+        mesh_and_batch(tp, None, None)
+    assert mesh_and_batch(cptune.CPConfig(mesh_shape=(1, 2, 2, 1)), None, None) == (2, 2, 2)  # (dp, cp) in four
+    with pytest.raises(ValidationError, match="the search's and the plan's step and memory models price"):
+        tp.dp_cp()
+
+
+def test_check_names_a_tp_the_heads_cannot_take_and_notes_one_across_nodes():
+    from cptune._recipe_check import check_recipe, recipe_notes
+    from cptune.recipe import Recipe
+
+    data = load_recipe("recipes/cpu-2r-s1024-noncausal.yaml").model_dump(mode="json")  # 8 heads
+    data["config"]["mesh_shape"], data["launch"]["nnodes"], data["launch"]["nproc_per_node"] = [1, 1, 1, 16], 2, 8
+    recipe = Recipe(**data)
+    assert [p.message for p in check_recipe(recipe) if p.argument == "config.mesh_shape"] == [
+        "16 does not divide the 8 query heads", "16 does not divide the 8 key/value heads"]
+    assert recipe_notes(recipe) == ["tp=16 spans more than one node of 8 ranks: every layer's reductions cross the "
+                                    "inter-node link; use a tp that divides the ranks per node"]
+    data["config"]["mesh_shape"] = [2, 1, 1, 8]  # HSDP across the two nodes, tp inside each
+    assert recipe_notes(Recipe(**data)) == [] and Recipe(**data).config.label().startswith("dpr2·dp1·cp1·tp8 ")
+
+
+# -- on ranks -------------------------------------------------------------------------------------
+
+
+def _mesh_case(source, strategy="ring", rotate="allgather", lb="auto", documents=None, window=None, heads=8,
+               kv_heads=4):
+    """One attention call on a mesh with tp: each tp rank gives the block its own heads (as a column-parallel
+    q/k/v projection makes them), the same tokens on every tp rank. Output and q/k/v grads against one process,
+    and what the block says about replicas and token counts."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = {"strategy": strategy, "rotate_method": rotate, "load_balance": lb}
+    if source == "config":  # cptune builds the mesh: (dp_replicate, dp_shard, cp, tp)
+        dims, mesh = ParallelDims(1, 1, 2, 2), None
+        config["mesh_shape"] = dims.shape
+    else:  # the user's mesh, named as torchtitan names it
+        names, shape = {"cp-tp": (("cp", "tp"), (2, 2)), "dp-tp": (("dp_shard", "cp", "tp"), (2, 1, 2)),
+                        "tp-only": (("cp", "tp"), (1, 4))}[source]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        dims = ParallelDims.of_mesh(mesh)[0]
+    tp_rank, replica = rank % dims.tp, dims.replica(rank)
+    seq_len, batch = 32, 2
+    gen = torch.Generator().manual_seed(11 + replica)  # each replica its own data; the tp ranks of one the same
+    qkv = [torch.randn(batch, h, seq_len, 8, generator=gen) for h in (heads, kv_heads, kv_heads)]
+    grad = torch.randn(batch, heads, seq_len, 8, generator=gen)
+    docs = cptune.documents_from_lengths(documents) if documents else None
+    mask = _documents.dense_mask(docs, window, True, seq_len) if docs is not None or window else None
+    ref = [t.clone().requires_grad_() for t in qkv]
+    ref_out = F.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    (ref_out * grad).sum().backward()
+    q_heads, kv = heads // dims.tp, kv_heads // dims.tp
+    mine = [slice(tp_rank * q_heads, (tp_rank + 1) * q_heads)] + [slice(tp_rank * kv, (tp_rank + 1) * kv)] * 2
+    leaves = [t[:, s].clone().requires_grad_() for t, s in zip(qkv, mine)]
+    g = grad[:, mine[0]].clone()
+    labels = torch.arange(batch * seq_len).reshape(batch, seq_len) % 3 - 1  # -1: ignored, unevenly over ranks
+    labels[:, : 4 * replica] = -1
+    with cptune.context_parallel(buffers=[*leaves, g, labels], seq_dims=[2, 2, 2, 2, 1], mesh=mesh,
+                                 config=cptune.CPConfig(**config), causal=True, documents=docs, window=window,
+                                 no_restore=[g]) as cp:
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+        (cp.cp_size * (out * g).sum()).backward()
+        full = cp.unshard(out, 2)
+        items = cp.num_items_in_batch(labels, ignore_index=-1).item()
+        local_len = out.shape[2]
+    every = torch.tensor(float((labels != -1).sum()))  # this replica's valid tokens, whole sequence
+    dist.all_reduce(every)  # over the world: each replica counted cp x tp times (the labels are whole here)
+    rows = cptune.replica_rows(4 * dims.dp, mesh=mesh) if mesh is not None else \
+        cptune.replica_rows(4 * dims.dp, config=config)
+    return {"out": max_err(full, ref_out[:, mine[0]]),
+            "grads": [max_err(a.grad, b.grad[:, s]) for a, b, s in zip(leaves, ref, mine)],
+            "local_len": local_len, "cp": cp.cp_size, "dp": cp.dp_size, "dp_rank": cp.dp_rank, "replica": replica,
+            "items": items, "want_items": every.item() / (dims.cp * dims.tp) / (dims.dp * dims.cp), "world": world,
+            "rows": (rows.start, rows.stop)}
+
+
+MESH_CASES = [
+    ("cp-tp", {}), ("cp-tp", {"rotate": "alltoall", "lb": True}), ("cp-tp", {"strategy": "ulysses"}),
+    ("cp-tp", {"documents": [5, 19, 8]}), ("cp-tp", {"window": (6, 0)}), ("cp-tp", {"documents": [12, 20], "lb": False}),
+    ("config", {}), ("config", {"strategy": "ulysses", "documents": [16, 16]}),
+    ("dp-tp", {}), ("tp-only", {"heads": 8, "kv_heads": 4}),
+]
+
+
+def _mesh_sweep(cases):
+    return [((source, kwargs), _mesh_case(source, **kwargs)) for source, kwargs in cases]
+
+
+def test_the_block_on_a_mesh_with_tp_is_exact_and_counts_replicas_over_dp_only(ranks):
+    """tp2·cp2 (the user's mesh and cptune's), ring both rotations, Ulysses over each tp rank's heads, packed
+    documents and a window; dp2·tp2 and tp4: each tp rank's output and gradients equal one process's on its heads;
+    the tp ranks of a replica hold the same rows and the block counts tokens over cp x dp, never tp."""
+    for per_rank in zip(*ranks(4).run(_mesh_sweep, MESH_CASES)):
+        for (source, kwargs), r in per_rank:
+            assert r["out"] <= FP32_TOL and max(r["grads"]) <= FP32_TOL, (source, kwargs, r)
+            cp, dp = {"dp-tp": (1, 2), "tp-only": (1, 1)}.get(source, (2, 1))
+            assert (r["cp"], r["dp"], r["local_len"]) == (cp, dp, 32 // cp), (source, r)
+            assert r["dp_rank"] == r["replica"] and r["rows"] == (4 * r["replica"], 4 * r["replica"] + 4), (source, r)
+            assert r["items"] == pytest.approx(r["want_items"]), (source, r)
