@@ -83,7 +83,7 @@ class Trainer(transformers.Trainer):
         ``args.train_sampling_strategy`` is "sequential"."""
         _adopt_sharded(kwargs.get("model", args[0] if args else None))
         config_for(config, recipe).dp_cp(dist.get_world_size() if dist.is_initialized() else 1,
-                                         where="cptune.hf.Trainer does not split a model by tensor parallelism; it runs")
+                                         where="cptune.hf.Trainer splits no model by tensor parallelism; it runs")
         super().__init__(*args, **kwargs)
         self.cp_config, self.cp_recipe, self.cp_shuffle = config, recipe, shuffle
         self.dp, self.cp, self.replica = replica(config=config, recipe=recipe)

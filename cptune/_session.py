@@ -183,8 +183,9 @@ class _Session:
                 except ValidationError as exc:
                     return list(exc.problems)
                 if wanted != self.dims:
-                    return [Problem("config.mesh_shape", f"{self.config.mesh_shape} ({wanted.label()}) disagrees with "
-                                    f"the mesh passed ({self.dims.label()})", "drop config.mesh_shape or pass mesh=None")]
+                    return [Problem("config.mesh_shape", f"{self.config.mesh_shape} ({wanted.label()}) disagrees "
+                                    f"with the mesh passed ({self.dims.label()})",
+                                    "drop config.mesh_shape or pass mesh=None")]
             return []
         world = dist.get_world_size() if dist.is_initialized() else 1
         try:

@@ -24,6 +24,9 @@ from .errors import Problem, ValidationError, raise_if
 
 DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dims, outermost first: the one list."""
+MODEL_DIMS = ("dp_replicate", "dp_shard_cp", "tp")
+"""The dims of the mesh a model's parameters live on (:meth:`ParallelDims.model_mesh`): FSDP2 shards over dp_shard x
+cp flattened, HSDP replicates over dp_replicate, TP splits over tp."""
 DATA_DIMS = ("dp_replicate", "dp_shard", "dp")
 """Names a device mesh's data-parallel dims may carry ('dp': the (dp, cp) mesh cptune built before the named mesh,
 and a user's; read as dp_shard)."""
@@ -137,6 +140,14 @@ class ParallelDims:
         if self.is_dp_cp:
             return init_device_mesh(device_type, (self.dp_shard, self.cp), mesh_dim_names=("dp", "cp"))
         return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+
+    def model_mesh(self, device_type: str) -> Any:
+        """The mesh a model's parameters live on, over the same ranks in the same order: (dp_replicate, dp_shard x cp,
+        tp) named :data:`MODEL_DIMS` (for ``cptune.models.build_model``'s ``fsdp_mesh``). A collective."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard * self.cp, self.tp),
+                                mesh_dim_names=MODEL_DIMS)
 
 
 def full_shape(shape: Sequence[int]) -> tuple[int, ...]:

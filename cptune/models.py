@@ -33,11 +33,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import _weights
+from . import _parallelize as P, _weights
 from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ._hf import enable
 from ._files import read_json_object
 from .errors import Problem, ValidationError, raise_if
+from .mesh import MODEL_DIMS, ParallelDims
 from .workload import AC_MODES, Workload
 
 INSTALL = "pip install 'cptune[hf]' (transformers)"
@@ -148,6 +149,33 @@ def model_workload(model: str | Path, overrides: Mapping[str, Any] | None = None
     return Workload(model=str(model), model_overrides=dict(overrides) if overrides else None, **shape, **fields)
 
 
+def tp_problems(config, tp: int, argument: str = "mesh.tp") -> list[Problem]:
+    """Why ``config``'s model cannot be split over ``tp`` ranks by its own TP plan (``base_model_tp_plan``): no
+    plan, a style cptune does not apply, or heads, key/value heads or intermediate size tp does not divide."""
+    if tp == 1:
+        return []
+    text = getattr(config, "get_text_config", lambda: config)()
+    plan = getattr(text, "base_model_tp_plan", None) or {}
+    if not plan:
+        return [Problem(argument, f"is {tp} but {type(text).__name__} has no tensor-parallel plan "
+                        "(base_model_tp_plan)", "use tp=1 for this model, or a model whose config has one")]
+    known = P.tp_styles()
+    odd = sorted({f"{key}: {style}" for key, style in plan.items() if style not in known})
+    problems = [Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan has styles cptune does not apply "
+                        f"({'; '.join(odd)})", f"use tp=1 for this model (cptune applies {', '.join(known)})")
+                ] if odd else []
+    keys = [key.split("layers.*.", 1)[1] for key in plan if key.startswith("layers.*.")]
+    whole = P.whole_beside_split(decoder_layers(_empty_model(config))[0], keys)
+    if whole:
+        problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan leaves {', '.join(whole)} "
+                                "whole beside the modules it splits: each tp rank's gradient there would be a part "
+                                "of the whole one", "use tp=1 for this model"))
+    shape = attention_shape(config)
+    return problems + ParallelDims(tp=tp).model_problems(heads=shape["heads"], kv_heads=shape["kv_heads"],
+                                                         intermediate=getattr(text, "intermediate_size", None),
+                                                         argument=argument)
+
+
 def build_model(config, device: torch.device | str, weights: str | Path | None = None, *, seed: int = 0,
                 fsdp_mesh: Any = None, ac: str | None = None, compile: bool = False,
                 dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -160,25 +188,31 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     to run and at any world size (one process builds what the sharded ranks hold). ``weights``: a local
     safetensors folder (``save_pretrained``'s), checked against the config before any tensor is read, then
     read into each rank's shards (bf16/fp16 files into float32). ``ac`` (none, full, selective) prepares the
-    model for training first, as :func:`prepare_for_training` does; ``dtype``: its compute dtype."""
+    model for training first, as :func:`prepare_for_training` does; ``dtype``: its compute dtype.
+
+    ``fsdp_mesh`` may also be the model's mesh of a named mesh (:meth:`cptune.ParallelDims.model_mesh`): each
+    decoder layer is then split over its ``tp`` dim by the model's own TP plan first (torchtitan's order: TP,
+    AC and compile, FSDP2), and FSDP2 shards over ``dp_shard_cp``, replicated over ``dp_replicate`` (HSDP)."""
     device = torch.device(device)
+    tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
+    if tp_mesh is not None:
+        raise_if(tp_problems(config, tp_mesh.size()))
     model = _empty_model(config)
     if weights is not None:
         tensors = _weights.stored_tensors(weights)
         raise_if(_weights.weight_problems(model, tensors))
     if ac is not None:
         _prepare(model, ac, compile)
-    layers, shard = decoder_layers(model), _sharder(fsdp_mesh, dtype)
+    layers, shard = decoder_layers(model), P.sharder(fsdp_mesh, dtype)
+    plan = P.layer_plan(model) if tp_mesh is not None else None
     inside = {id(m) for layer in layers for m in layer.modules()}
     rest = [m for m in model.modules() if id(m) not in inside]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i, layer in enumerate(layers):
             _materialize(model, list(layer.modules()), device, seed, i + 1)
-            if shard is not None:
-                shard(layer)
+            P.parallelize_unit(layer, tp_mesh, plan, shard)
         _materialize(model, rest, device, seed, 0)
-    if shard is not None:
-        shard(model)
+    P.parallelize_unit(model, None, None, shard)
     if weights is not None:
         _weights.load_weights(model, weights, tensors)
     if fsdp_mesh is None and dtype != torch.float32:
@@ -277,25 +311,20 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
     mode, no KV cache, then activation checkpointing, torch.compile per decoder layer and FSDP2 (per decoder
     layer, then the root) over ``fsdp_mesh`` when given. A ``dtype`` below float32 is the compute dtype: FSDP2
     keeps float32 parameters and reduces gradients in float32 (without FSDP the model is cast). Returns the
-    model."""
+    model. ``fsdp_mesh`` may be a model mesh (:meth:`cptune.ParallelDims.model_mesh`), as for :func:`build_model`:
+    tensor parallelism by the model's own plan first."""
+    tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
+    if tp_mesh is not None:
+        raise_if(tp_problems(model.config, tp_mesh.size()))
     _prepare(model, ac, compile)
-    shard = _sharder(fsdp_mesh, dtype)
+    shard = P.sharder(fsdp_mesh, dtype)
     if shard is None:
-        return model.to(dtype)
-    for unit in (*decoder_layers(model), model):
-        shard(unit)
+        model.to(dtype)
+    plan = P.layer_plan(model) if tp_mesh is not None else None
+    for layer in decoder_layers(model):
+        P.parallelize_unit(layer, tp_mesh, plan, shard)
+    P.parallelize_unit(model, None, None, shard)
     return model
-
-
-def _sharder(mesh: Any, dtype: torch.dtype):
-    """FSDP2 of one unit over ``mesh``: float32 parameters and gradient reduction, ``dtype`` compute; None
-    without a mesh."""
-    if mesh is None:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    return functools.partial(fully_shard, mesh=mesh,
-                             mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
 
 
 def _prepare(model: nn.Module, ac: str, compile: bool) -> None:
@@ -323,4 +352,4 @@ check_export = _weights.check_export
 export_model = _weights.export_model
 
 __all__ = ["attention_shape", "build_model", "check_export", "check_weights", "config_path", "decoder_layers",
-           "export_model", "load_config", "model_workload", "parse_overrides", "prepare_for_training"]
+           "export_model", "load_config", "model_workload", "parse_overrides", "prepare_for_training", "tp_problems"]

@@ -73,16 +73,17 @@ def test_recipes_written_before_the_named_mesh_load_and_verify_as_before():
 
 
 def test_what_runs_or_prices_dp_x_cp_only_refuses_tp_by_name(monkeypatch):
-    """The training scripts, the Trainer, the search and the plan split no layer by tp: a tp recipe is refused, not
-    run (or priced) as if it were dp x cp."""
+    """The Llama example, the Trainer, the search and the plan split no layer by tp: a tp recipe is refused, not
+    run (or priced) as if it were dp x cp; train_hf takes it."""
     from cptune.examples._options import mesh_and_batch
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     tp = cptune.CPConfig(mesh_shape=(1, 1, 2, 2))
-    with pytest.raises(ValidationError, match=r"config.mesh_shape: is dp1·cp2·tp2: the training scripts .* \(dp, cp\) "
-                       r"meshes only. Fix: give a \(dp, cp\) mesh"):
+    with pytest.raises(ValidationError, match=r"config.mesh_shape: is dp1·cp2·tp2: this script splits no model .* "
+                       r"\(dp, cp\) meshes only. Fix: give a \(dp, cp\) mesh"):
         mesh_and_batch(tp, None, None)
-    assert mesh_and_batch(cptune.CPConfig(mesh_shape=(1, 2, 2, 1)), None, None) == (2, 2, 2)  # (dp, cp) in four
+    assert mesh_and_batch(tp, None, None, tp=True) == (ParallelDims(1, 1, 2, 2), 2)  # train_hf splits by the plan
+    assert mesh_and_batch(cptune.CPConfig(mesh_shape=(1, 2, 2, 1)), None, None) == (ParallelDims(1, 2, 2, 1), 2)
     with pytest.raises(ValidationError, match="the search's and the plan's step and memory models price"):
         tp.dp_cp()
 
@@ -159,7 +160,8 @@ def _mesh_case(source, strategy="ring", rotate="allgather", lb="auto", documents
 
 MESH_CASES = [
     ("cp-tp", {}), ("cp-tp", {"rotate": "alltoall", "lb": True}), ("cp-tp", {"strategy": "ulysses"}),
-    ("cp-tp", {"documents": [5, 19, 8]}), ("cp-tp", {"window": (6, 0)}), ("cp-tp", {"documents": [12, 20], "lb": False}),
+    ("cp-tp", {"documents": [5, 19, 8]}), ("cp-tp", {"window": (6, 0)}),
+    ("cp-tp", {"documents": [12, 20], "lb": False}),
     ("config", {}), ("config", {"strategy": "ulysses", "documents": [16, 16]}),
     ("dp-tp", {}), ("tp-only", {"heads": 8, "kv_heads": 4}),
 ]

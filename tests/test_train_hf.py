@@ -57,6 +57,15 @@ def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_che
     one, a, b = losses(tmp_path / "one.json"), losses(tmp_path / "a.json"), losses(tmp_path / "b.json")
     assert (a["dp"], a["cp"]) == (2, 2) and b["start"] == 2 and len(b["losses"]) == 1
     assert max(abs(x - y) for x, y in zip(a["losses"] + b["losses"], one["losses"])) <= 1e-5, (a, b, one)
+    # the same recipe launched as tp2·cp2 (the model split by its own TP plan, FSDP2 over cp): the same losses,
+    # its tensor-parallel checkpoint resumed
+    tp = ["config.mesh_shape=[1,1,2,2]", "--", SCRIPT, "--batch", "2", "--checkpoint-dir", "tp"]
+    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "2", "--losses-out", "c.json"], tmp_path)
+    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "3", "--resume", "--losses-out",
+         "d.json"], tmp_path)
+    c, d = losses(tmp_path / "c.json"), losses(tmp_path / "d.json")
+    assert (c["dp"], c["cp"]) == (1, 2) and d["start"] == 2
+    assert max(abs(x - y) for x, y in zip(c["losses"] + d["losses"], one["losses"])) <= 1e-5, (c, d, one)
 
 
 def test_the_same_run_twice_gives_the_same_losses(tmp_path):

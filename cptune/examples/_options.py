@@ -16,6 +16,7 @@ import click
 from .._cli_types import (COUNT, DOCUMENTS, FINITE_RATE, FOLDER, KEY_VALUE, RECIPE, InputFile, OneOf, OutputFile,
                           Script, Whole)
 from ..errors import Problem, ValidationError, raise_if
+from ..mesh import ParallelDims
 from ..workload import AC_MODES
 
 recipe = click.option("--recipe", "recipe_path", type=RECIPE, default=None, envvar="CPTUNE_RECIPE",
@@ -61,16 +62,20 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def mesh_and_batch(config: Any, recipe: Any, batch: int | None) -> tuple[int, int, int]:
-    """(dp, cp, global batch) of ``config`` on this job's ranks: ``batch``, else as the recipe was measured (its
-    batch per replica on every replica), else 2; refused, naming --batch, when its rows do not split over dp."""
+def mesh_and_batch(config: Any, recipe: Any, batch: int | None, *, tp: bool = False) -> tuple[ParallelDims, int]:
+    """(the named mesh, global batch) of ``config`` on this job's ranks: ``batch``, else as the recipe was measured
+    (its batch per replica on every replica), else 2; refused, naming --batch, when its rows do not split over dp.
+    ``tp``: whether the script splits its model by tensor parallelism (else a mesh with tp is refused by name)."""
     world = world_size()
-    dp, cp = config.dp_cp(world, where="the training scripts build models sharded by FSDP2 over")
+    if not tp:
+        config.dp_cp(world, where="this script splits no model by tensor parallelism: it runs")
+    dims = config.parallel_dims(world)
+    dp = dims.dp
     batch = batch or (dp * recipe.workload.batch if recipe else 2)
     if batch % dp:
         raise ValidationError([Problem("batch", f"{batch} rows do not split over the {dp} dp replicas of "
                                        f"{config.label()} on {world} ranks", f"give a global batch divisible by {dp}")])
-    return dp, cp, batch
+    return dims, batch
 
 
 def check_checkpointing(checkpoint_dir: str | None, resume: bool, save_every: int) -> None:

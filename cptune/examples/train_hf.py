@@ -208,13 +208,17 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     recipe = options.read_recipe(recipe_path)
     w = recipe.workload if recipe else cptune.Workload(seq_len=256, batch=2)
     config = recipe.config if recipe else cptune.CPConfig()
-    dp, cp, batch = options.mesh_and_batch(config, recipe, batch)
+    dims, batch = options.mesh_and_batch(config, recipe, batch, tp=True)
     path = model or w.model
     if path is None:
         raise ValidationError([Problem("model", "no model given", "give --model PATH (a model directory or "
                                        "config.json), or a recipe from cptune search --model")])
     overrides = models.parse_overrides(model_overrides) if model_overrides else dict(w.model_overrides or {})
     hf_config = models.load_config(path, overrides)
+    raise_if(models.tp_problems(hf_config, dims.tp, "config.mesh_shape"))
+    if not dims.is_dp_cp and not rest["fsdp"]:
+        raise ValidationError([Problem("fsdp", f"is off with {dims.label()}: tensor parallelism and HSDP train the "
+                                       "model as FSDP2 shards it", "drop --no-fsdp, or use a (dp, cp) recipe")])
     seq_len, ac = seq_len or w.seq_len, ac or w.ac
     compile_ = w.compile if compile_ is None else compile_
     spec = documents or w.documents
@@ -228,7 +232,8 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
         models.check_weights(hf_config, path)
     vocab = hf_config.get_text_config().vocab_size
     return SimpleNamespace(
-        **rest, recipe=recipe, config=config, dp=dp, cp=cp, batch=batch, path=path, hf_config=hf_config,
+        **rest, recipe=recipe, config=config, dims=dims, dp=dims.dp, cp=dims.cp, batch=batch, path=path,
+        hf_config=hf_config,
         weights=weights, seq_len=seq_len, ac=ac, compile=compile_, spec=spec, vocab=vocab, data=data,
         documents=read_documents(data, eos_id, vocab) if data else None, resume=resume, save_every=save_every,
         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
@@ -240,10 +245,12 @@ def train(args: SimpleNamespace) -> None:
     device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
     config, dp, cp, batch, seq_len = args.config, args.dp, args.cp, args.batch, args.seq_len
     fsdp_mesh = None
-    if distributed and args.fsdp:
+    if distributed and args.fsdp and args.dims.is_dp_cp:
         from torch.distributed.device_mesh import init_device_mesh
 
         fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
+    elif distributed and args.fsdp:  # tp by the model's own plan, FSDP2 over dp_shard x cp, HSDP over dp_replicate
+        fsdp_mesh = args.dims.model_mesh(device.type)
     # on the meta device, then one sharded layer at a time: no rank holds the whole model; the same weights at
     # any world size (seeded per layer), or the --model folder's safetensors read into each rank's shards
     model = models.build_model(args.hf_config, device, weights=args.path if args.weights else None,
@@ -296,7 +303,7 @@ def train(args: SimpleNamespace) -> None:
         peaks = [None] * world
         dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
-        print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, batch {batch}, config: {config.label()}, "
+        print(f"world {world} ({args.dims.label()}), seq_len {seq_len}, batch {batch}, config: {config.label()}, "
               f"ac={args.ac} compile={args.compile} fsdp={fsdp_mesh is not None} "
               f"documents={args.spec or args.data or 'none'}")
         if args.losses_out:

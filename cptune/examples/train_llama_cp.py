@@ -191,7 +191,8 @@ def checked(recipe_path, seq_len, batch, compile_, ac, documents, **rest) -> Sim
     ac = ac or (recipe.workload.ac if recipe else "none")
     documents = documents or (recipe.workload.documents if recipe else None)
     ids = cptune.Workload(seq_len=seq_len, documents=documents).document_ids()  # a spec that does not fit: named
-    dp, cp, batch = options.mesh_and_batch(config, recipe, batch)
+    dims, batch = options.mesh_and_batch(config, recipe, batch)
+    dp, cp = dims.dp, dims.cp
     return SimpleNamespace(**rest, recipe=recipe, config=config, seq_len=seq_len, compile=compile_, ac=ac,
                            documents=documents, document_ids=ids, dp=dp, cp=cp, batch=batch)
 
