@@ -36,13 +36,15 @@ from .workload import AC_MODES
 @click.option("--window", type=Whole(0), default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
 @click.option("--ac", type=OneOf(["auto", *AC_MODES]), default="auto", show_default=True,
               help="Activation checkpointing: auto ranks all three.")
+@click.option("--max-tp", type=COUNT, default=None,
+              help="Largest tensor-parallel degree to plan (default: a node's GPUs; 1 plans dp x cp only).")
 @click.option("--all", "show_all", is_flag=True, help="Print every configuration (default: the best 20).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON on stdout.")
 @click.option("--out", type=OutputFile(), default=None,
               help="Write the best configuration's recipe here, marked predicted (not measured).")
 def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark,
                  memory_budget,
-                 dtype, documents, window, ac, show_all, as_json, out) -> None:
+                 dtype, documents, window, ac, max_tp, show_all, as_json, out) -> None:
     """Predict every CP configuration of a cluster not at hand and rank them (no GPU needed).
 
     \b
@@ -70,7 +72,7 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
         profile = P.from_gpu_benchmark(profile, gpu_benchmark, argument="gpu_benchmark")
     result = P.plan(shape, workload, profile, gpus, gpus_per_node,
                     parse_size(memory_budget) if memory_budget else None,
-                    AC_MODES if ac == "auto" else (ac,))
+                    AC_MODES if ac == "auto" else (ac,), max_tp=max_tp)
     if out:
         path = save_recipe(P.predicted_recipe(result, command_line()), out)
     if as_json:
@@ -83,7 +85,7 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
                        f"{result.invalid[0][1]}")
         best = result.best
         click.echo(f"\nbest (predicted): {best.point.label()}  {format_rate(best.tokens_per_s_per_gpu)} tokens/s per GPU"
-                   if best else "\nnothing is predicted to fit: raise --memory-budget, add GPUs or shorten --seq-len")
+                   if best else f"\nnothing is predicted to fit. {result.shortfall(P.with_more_gpus(result, max_tp=max_tp))}")
     if out:
         click.echo(f"predicted recipe: {path} (not measured: measure it with cptune search on the cluster)", err=True)
 

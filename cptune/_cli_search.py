@@ -84,6 +84,9 @@ def _leave(code: int) -> None:
 @click.option("--exhaustive", is_flag=True,
               help="Measure every config: the plan orders trials but skips none, and no checkpointing mode is "
                    "skipped as dominated by a fitting run with less recompute.")
+@click.option("--max-tp", type=COUNT, default=1, show_default=True,
+              help="With --model: also try tensor parallelism up to this degree inside a node, the model split by its "
+                   "own TP plan (its own study).")
 @click.option("--min-seconds", type=Number(0, fix="give 0 or more seconds"), default=1.0, show_default=True,
               help="Timing scale: screening and each race round time a config for a quarter of this "
                    "(and of the 20-step cap; 1 step at least).")
@@ -94,8 +97,8 @@ def _leave(code: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model,
                    model_overrides, documents, window, nproc, device, memory_budget, memory_margin, storage,
-                   study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, min_seconds, out, script,
-                   as_json) -> None:
+                   study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, max_tp, min_seconds, out,
+                   script, as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
 
     \b
@@ -132,7 +135,7 @@ def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, la
         _search(workload, lengths, is_rank0, nproc=nproc, device=device, memory_budget=memory_budget,
                 memory_margin=memory_margin, storage=storage, study_name=study_name, n_trials=n_trials,
                 timeout=timeout, trial_timeout=trial_timeout, sampler=sampler, exhaustive=exhaustive,
-                min_seconds=min_seconds, as_json=as_json, out=out, script=script)
+                max_tp=max_tp, min_seconds=min_seconds, as_json=as_json, out=out, script=script)
     except BaseException as exc:  # noqa: BLE001 - under torchrun every way out goes through _leave
         if not joined:
             raise
@@ -158,7 +161,7 @@ def _said(exc: BaseException) -> int:
 
 
 def _search(workload, lengths, is_rank0, *, nproc, device, memory_budget, memory_margin, storage, study_name,
-            n_trials, timeout, trial_timeout, sampler, exhaustive, min_seconds, as_json, out, script) -> None:
+            n_trials, timeout, trial_timeout, sampler, exhaustive, max_tp, min_seconds, as_json, out, script) -> None:
     """The search command once its workload is built: run it, report on rank 0, exit 130/143 on a signal."""
     import torch
 
@@ -177,7 +180,7 @@ def _search(workload, lengths, is_rank0, *, nproc, device, memory_budget, memory
             found = run_search(workload, seq_lens=lengths if len(lengths) > 1 else None, nproc=nproc,
                                device=device, memory_budget=memory_budget, memory_margin=memory_margin,
                                storage=storage, study_name=study_name, n_trials=n_trials, timeout=timeout,
-                               trial_timeout=trial_timeout, sampler=sampler, exhaustive=exhaustive,
+                               trial_timeout=trial_timeout, sampler=sampler, exhaustive=exhaustive, max_tp=max_tp,
                                settings=MeasureSettings(min_seconds=min_seconds), progress=progress())
             if found is not None:  # None: a torchrun rank other than 0
                 results = found if isinstance(found, list) else [found]

@@ -56,6 +56,14 @@ def world_mesh(device_type: str) -> DeviceMesh:
     return _MESHES[key]
 
 
+def model_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The mesh a model's parameters live on (:meth:`ParallelDims.model_mesh`), built once per process group."""
+    key = (device_type, "model", dims, id(dist.group.WORLD))
+    if key not in _MESHES:
+        _MESHES[key] = dims.model_mesh(device_type)
+    return _MESHES[key]
+
+
 def active() -> _Session | None:
     """The open session (the innermost block), or None outside every block."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -175,8 +183,7 @@ class _Session:
             if problems:
                 return problems
             self.cp_mesh = mesh if mesh.ndim == 1 else mesh["cp"]
-            self.mesh, self.device_type = mesh, mesh.device_type
-            self.dp, self.cp = self.dims.dp, self.dims.cp
+            self.mesh, self.device_type, self.dp, self.cp = mesh, mesh.device_type, self.dims.dp, self.dims.cp
             if self.config.mesh_shape is not None:
                 try:
                     wanted = self.config.parallel_dims(mesh.size())

@@ -23,6 +23,13 @@ def mesh_shapes(world_size: int) -> list[tuple[int, int]]:
     return [(world_size // cp, cp) for cp in range(world_size, 0, -1) if world_size % cp == 0]
 
 
+def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,)) -> list[tuple[int, ...]]:
+    """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees``: (dp, cp) for tp 1 (as every configuration
+    before the named mesh is written), (1, dp, cp, tp) otherwise; by tp, then most context-parallel first."""
+    return [(dp, cp) if tp == 1 else (1, dp, cp, tp)
+            for tp in tp_degrees if world_size % tp == 0 for dp, cp in mesh_shapes(world_size // tp)]
+
+
 def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
     """Backends that can ring-attend on this device and dtype, in PyTorch's priority order."""
     return [b for b in RING_BACKENDS if backend_problem(device_type, b, dtype, ring=True) is None]
@@ -31,7 +38,7 @@ def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
 def canonical(config: CPConfig) -> CPConfig:
     """The same configuration written one way: with cp == 1 the strategy, rotate method and load
     balancing don't apply; under Ulysses the rotate method and load balancing don't."""
-    if config.mesh_shape and config.dp_cp()[1] == 1:
+    if config.mesh_shape and config.parallel_dims().cp == 1:
         return config.model_copy(update={"rotate_method": "allgather", "load_balance": False, "strategy": "ring",
                                          "ulysses_degree": None})
     if config.strategy == "ulysses":
@@ -42,27 +49,31 @@ def canonical(config: CPConfig) -> CPConfig:
 def config_key(config: CPConfig, ac: str | None = None) -> str:
     """One name per distinct configuration (with ``ac``: the activation checkpointing a search tries with it)."""
     c = canonical(config)
-    dp, cp = c.dp_cp()
+    dims = c.parallel_dims()
+    mesh = (f"dpr{dims.dp_replicate}-" if dims.dp_replicate > 1 else "") + f"dp{dims.dp_shard}-cp{dims.cp}" + (
+        f"-tp{dims.tp}" if dims.tp > 1 else "")  # a (dp, cp) mesh keys as before the named mesh
     backend = "+".join(c.sdpa_backend) + (f"-ac-{ac}" if ac else "")
     if c.strategy == "ulysses":
-        return f"dp{dp}-cp{cp}-ulysses-{backend}"
+        return f"{mesh}-ulysses-{backend}"
     strategy = f"hybrid{c.ulysses_degree}-" if c.strategy == "hybrid" else ""  # ring keys as before strategies
-    return f"dp{dp}-cp{cp}-{strategy}{c.rotate_method}-{'lb' if c.load_balance else 'nolb'}-{backend}"
+    return f"{mesh}-{strategy}{c.rotate_method}-{'lb' if c.load_balance else 'nolb'}-{backend}"
 
 
 def config_from(params: dict) -> CPConfig:
-    dp, cp = (int(x) for x in params["mesh"].split("x"))
+    """A configuration from the search's parameters; ``mesh`` 'DPxCP', or 'DPxCPxTP' with tensor parallelism."""
+    dp, cp, *tp = (int(x) for x in params["mesh"].split("x"))
     strategy, _, u = params.get("strategy", "ring").partition("-u")
     lb = bool(params["load_balance"]) and strategy != "ulysses"
-    return canonical(CPConfig(mesh_shape=(dp, cp), strategy=strategy, ulysses_degree=int(u) if u else None,
+    shape = (dp, cp) if not tp or tp[0] == 1 else (1, dp, cp, tp[0])
+    return canonical(CPConfig(mesh_shape=shape, strategy=strategy, ulysses_degree=int(u) if u else None,
                               rotate_method=params["rotate_method"], sdpa_backend=(params["sdpa_backend"],),
                               load_balance=lb))
 
 
 def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None) -> str | None:
     """Why ``config`` can never run this workload (on ``device_type``'s kernels; None: not checked), or None."""
-    dp, cp = config.dp_cp()
-    s = workload.seq_len
+    dims = config.parallel_dims()
+    cp, s = dims.cp, workload.seq_len
     split = config.degree_problems(cp)
     if split:
         return f"{config.strategy} with ulysses_degree={config.ulysses_degree} does not split cp={cp}"
@@ -72,16 +83,17 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None
     balance = decide_load_balance(config.load_balance, causal=workload.causal, cp=cp, ring=ring, seq_len=s)
     if balance.problems:
         return balance.problems[0].message
-    if ulysses > 1 and workload.heads % ulysses:
-        return f"{workload.heads} heads do not divide among {ulysses} Ulysses ranks"
+    heads = dims.model_problems(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads, ulysses=ulysses)
+    if heads:
+        return heads[0].message
     if device_type is None:  # a plan for a cluster not at hand: kernels are not checked here
         return None
     why = backend_problem(device_type, config.sdpa_backend[0], workload.torch_dtype, ring=ring > 1)
     return f"sdpa_backend {config.sdpa_backend[0]}: {why}" if why else None
 
 
-def configurations(workload: Workload, world: int, backends: tuple[str, ...], device_type: str | None = None
-                   ) -> tuple[list[CPConfig], list[tuple[str, str]]]:
+def configurations(workload: Workload, world: int, backends: tuple[str, ...], device_type: str | None = None,
+                   tp_degrees: tuple[int, ...] = (1,)) -> tuple[list[CPConfig], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` over ``backends``: (the valid ones, in
     mesh / strategy / rotate / backend / load-balance order, and (label, why) for the invalid ones). The one
     enumeration the search's oracle and ``cptune plan`` both use; a hybrid whose Ulysses group does not split a
@@ -90,12 +102,13 @@ def configurations(workload: Workload, world: int, backends: tuple[str, ...], de
     valid: list[CPConfig] = []
     invalid: list[tuple[str, str]] = []
     balance = (True, False) if workload.causal else (False,)
-    for (dp, cp), strategy, rotate, backend, lb in itertools.product(mesh_shapes(world), strategies(world),
-                                                                     ROTATE_METHODS, backends, balance):
-        config = config_from({"mesh": f"{dp}x{cp}", "strategy": strategy, "rotate_method": rotate,
-                              "sdpa_backend": backend, "load_balance": lb})
+    for shape, strategy, rotate, backend, lb in itertools.product(meshes(world, tp_degrees), strategies(world),
+                                                                  ROTATE_METHODS, backends, balance):
+        config = config_from({"mesh": "x".join(map(str, shape[-3:] if len(shape) == 4 else shape)),
+                              "strategy": strategy, "rotate_method": rotate, "sdpa_backend": backend,
+                              "load_balance": lb})
         key = config_key(config)
-        if key in seen or config.degree_problems(cp):
+        if key in seen or config.degree_problems(config.parallel_dims().cp):
             continue
         seen.add(key)
         reason = invalid_reason(workload, config, device_type)

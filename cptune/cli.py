@@ -151,7 +151,9 @@ def show(recipe_path, as_json) -> None:
     if w.model:
         click.echo(f"model run: {w.model}" + (f" with {w.model_overrides}" if w.model_overrides else "")
                    + f", {w.seq_len} tokens x {w.batch} per replica, {w.documents or 'unpacked'}, ac {w.ac}, "
-                   f"compile {'on' if w.compile else 'off'}, FSDP2 over dp x cp, AdamW")
+                   f"compile {'on' if w.compile else 'off'}, FSDP2 over dp x cp"
+                   + (", tp by the model's own plan" if recipe.config.parallel_dims(recipe.launch.world_size).tp > 1
+                      else "") + ", AdamW")
     c = recipe.config
     cp_ranks = c.parallel_dims(recipe.launch.world_size).cp
     click.echo(f"config   : {c.label()}" + ("" if cp_ranks == 1 else f"  (strategy {c.strategy}"

@@ -170,7 +170,7 @@ class CPConfig(StrictModel):
         return ParallelDims.from_shape(self.mesh_shape, world_size)
 
     def dp_cp(self, world_size: int | None = None, *,
-              where: str = "the search's and the plan's step and memory models price") -> tuple[int, int]:
+              where: str = "the attention proxy's memory model prices") -> tuple[int, int]:
         """(dp, cp) of this configuration on ``world_size`` ranks (None: its mesh given in full) for code that runs or
         prices data and context parallelism only: a mesh with tp or dp_replicate is refused by name, never run or
         priced as if it were dp x cp."""

@@ -119,7 +119,10 @@ class ParallelDims:
             if count is not None and count % self.tp:
                 problems.append(Problem(argument, f"{self.tp} does not divide the {count} {what}",
                                         f"use a tp that divides {count}"))
-        if heads is not None and ulysses > 1 and heads % self.tp == 0 and (heads // self.tp) % ulysses:
+        if heads is not None and ulysses > 1 and self.tp == 1 and heads % ulysses:
+            problems.append(Problem("config.ulysses_degree", f"{heads} heads do not divide among {ulysses} Ulysses "
+                                    "ranks", "use a Ulysses degree that divides the heads, or the ring"))
+        elif heads is not None and ulysses > 1 and heads % self.tp == 0 and (heads // self.tp) % ulysses:
             problems.append(Problem("config.ulysses_degree", f"{ulysses} Ulysses ranks do not divide the "
                                     f"{heads // self.tp} query heads each of tp={self.tp} ranks holds ({heads} in all)",
                                     "use a Ulysses degree that divides the heads of one tp rank, or the ring"))

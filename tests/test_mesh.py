@@ -73,8 +73,8 @@ def test_recipes_written_before_the_named_mesh_load_and_verify_as_before():
 
 
 def test_what_runs_or_prices_dp_x_cp_only_refuses_tp_by_name(monkeypatch):
-    """The Llama example, the Trainer, the search and the plan split no layer by tp: a tp recipe is refused, not
-    run (or priced) as if it were dp x cp; train_hf takes it."""
+    """The Llama example, the Trainer and the proxy's memory model split no layer by tp: a tp recipe is refused,
+    not run (or priced) as if it were dp x cp; train_hf takes it."""
     from cptune.examples._options import mesh_and_batch
 
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -84,11 +84,11 @@ def test_what_runs_or_prices_dp_x_cp_only_refuses_tp_by_name(monkeypatch):
         mesh_and_batch(tp, None, None)
     assert mesh_and_batch(tp, None, None, tp=True) == (ParallelDims(1, 1, 2, 2), 2)  # train_hf splits by the plan
     assert mesh_and_batch(cptune.CPConfig(mesh_shape=(1, 2, 2, 1)), None, None) == (ParallelDims(1, 2, 2, 1), 2)
-    with pytest.raises(ValidationError, match="the search's and the plan's step and memory models price"):
+    with pytest.raises(ValidationError, match="the attention proxy's memory model prices"):
         tp.dp_cp()
 
 
-def test_check_names_a_tp_the_heads_cannot_take_and_notes_one_across_nodes():
+def test_check_names_a_tp_the_heads_cannot_take_and_notes_one_across_nodes(tmp_path):
     from cptune._recipe_check import check_recipe, recipe_notes
     from cptune.recipe import Recipe
 
@@ -101,6 +101,14 @@ def test_check_names_a_tp_the_heads_cannot_take_and_notes_one_across_nodes():
                                     "inter-node link; use a tp that divides the ranks per node"]
     data["config"]["mesh_shape"] = [2, 1, 1, 8]  # HSDP across the two nodes, tp inside each
     assert recipe_notes(Recipe(**data)) == [] and Recipe(**data).config.label().startswith("dpr2·dp1·cp1·tp8 ")
+    from click.testing import CliRunner
+
+    from cptune.cli import main
+    from cptune.recipe import save_recipe
+
+    data["workload"]["model"] = "tests/models/tiny-llama"
+    shown = CliRunner().invoke(main, ["show", str(save_recipe(Recipe(**data), tmp_path / "tp.yaml"))]).output
+    assert "config   : dpr2·dp1·cp1·tp8 " in shown and "FSDP2 over dp x cp, tp by the model's own plan" in shown
 
 
 # -- on ranks -------------------------------------------------------------------------------------
@@ -182,3 +190,21 @@ def test_the_block_on_a_mesh_with_tp_is_exact_and_counts_replicas_over_dp_only(r
             assert (r["cp"], r["dp"], r["local_len"]) == (cp, dp, 32 // cp), (source, r)
             assert r["dp_rank"] == r["replica"] and r["rows"] == (4 * r["replica"], 4 * r["replica"] + 4), (source, r)
             assert r["items"] == pytest.approx(r["want_items"]), (source, r)
+
+
+def _trainer_refusal():
+    import cptune.hf
+
+    try:
+        cptune.hf.Trainer(config=cptune.CPConfig(mesh_shape=(1, 1, 2, 2)))
+    except ValidationError as exc:
+        return str(exc)
+    return None
+
+
+def test_the_trainer_refuses_a_tp_configuration_by_name_before_it_builds_anything(ranks):
+    pytest.importorskip("transformers")
+    for said in ranks(4).run(_trainer_refusal):
+        assert said == ("cptune: config.mesh_shape: is dp1·cp2·tp2: cptune.hf.Trainer splits no model by tensor "
+                        "parallelism; it runs (dp, cp) meshes only. Fix: give a (dp, cp) mesh (dp_replicate and tp 1)")
+

@@ -254,3 +254,45 @@ def test_a_gpu_benchmark_sets_the_attention_efficiency():
                "--gpu-benchmark", str(results), "--json")
     assert out.exit_code == 0, out.stderr
     assert json.loads(out.stdout)["hardware"]["efficiency"]["attention"] == pytest.approx(310.0 / 989.5, rel=0.01)
+
+
+def test_the_step_model_prices_tensor_parallelism():
+    """tp splits a layer's matmuls, heads and MLP width (their FLOPs, their activations, a rank's share of the
+    layer's weights) and costs two all-reduces of the residual stream a layer pass; the residual stream, the
+    embeddings and the logits stay whole, so at a given cp tp trades memory it cannot divide for all-reduces."""
+    dims = _dims()
+    ring = cptune.CPConfig(mesh_shape=(1, 4), rotate_method="alltoall", load_balance=True)
+    cp4, tp2 = _predict(ring), _predict(ring.model_copy(update={"mesh_shape": (1, 1, 4, 2)}))
+    layers, root = dims.layers * dims.layer_params, dims.params - dims.layers * dims.layer_params
+    assert cp4.memory["parameters"] == pytest.approx(4 * dims.params / 4, rel=1e-6)
+    assert tp2.memory["parameters"] == pytest.approx(4 * (layers / 2 + root) / 4, rel=1e-6)  # FSDP2 over cp only
+    assert tp2.memory["logits"] == cp4.memory["logits"] and tp2.time["comm_tp"] > 0 and "comm_tp" not in cp4.time
+    assert tp2.time["dense"] < cp4.time["dense"] and tp2.time["attention"] == pytest.approx(cp4.time["attention"] / 2)
+    assert cp4.memory["activations"] / 2 < tp2.memory["activations"] < cp4.memory["activations"]
+    assert "tp2: all-reduces" in tp2.bottleneck
+    # a tp that crosses nodes pays the network for every layer's all-reduces
+    wide = ring.model_copy(update={"mesh_shape": (1, 1, 1, 16)})
+    w = P.plan_workload(dims, 65536)
+    inside, across = (P.predict(dims, w, P.Point(wide), P.load_hardware("h100"), n) for n in (16, 8))
+    assert across.time["comm_tp"] > 4 * inside.time["comm_tp"]
+    # HSDP: replicas keep whole shards and all-reduce the gradients across them
+    hsdp = _predict(ring.model_copy(update={"mesh_shape": (2, 1, 4, 1)}))
+    assert hsdp.memory["parameters"] == cp4.memory["parameters"] and hsdp.time["comm_hsdp"] > 0
+
+
+def test_the_plan_proposes_tp_where_it_fits_and_says_what_nothing_fitting_would_take():
+    dims = _dims()
+    hw = P.load_hardware("h100")
+    found = P.plan(dims, P.plan_workload(dims, 32768), hw, 16, budget=40 * 2**30, ac_modes=("selective",))
+    tps = {p.point.config.parallel_dims().tp for p in found.predictions}
+    assert tps == {1, 2, 4, 8}  # the divisors of a node's 8 GPUs that divide the 32 heads and 8 key/value heads
+    assert {p.point.config.parallel_dims().tp for p in P.plan(dims, P.plan_workload(dims, 32768), hw, 16,
+                                                                max_tp=1, ac_modes=("full",)).predictions} == {1}
+    recipe = P.predicted_recipe(found)
+    assert recipe.config.parallel_dims(recipe.launch.world_size).world == 16
+    none = P.plan(dims, P.plan_workload(dims, 262144), hw, 8, budget=40 * 2**30, ac_modes=("full",), max_tp=2)
+    more = P.with_more_gpus(none, max_tp=2)
+    said = none.shortfall(more)
+    assert none.best is None and more is not None and more.best is not None
+    assert said.startswith(f"The closest, {min(none.predictions, key=lambda p: p.peak_bytes).point.label()}, needs ")
+    assert f"On {more.gpus} GPUs {more.best.point.label()} is predicted to fit" in said and "pipeline" in said

@@ -101,6 +101,23 @@ def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
     assert cp["world"] == 2 and max(abs(x - y) for x, y in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
 
 
+def test_a_model_search_with_max_tp_measures_the_model_split_by_tensor_parallelism(tmp_path):
+    """--max-tp 2: the search's space holds tp2 meshes (the model split by its own TP plan, measured on the ranks),
+    in a study of its own; without --model there is no model to split, and that is said by name."""
+    search = [sys.executable, "-m", "cptune", "search", "--model", str(MODEL), "--model-override",
+              "num_hidden_layers=1", "--seq-len", "64", "--nproc", "4", "--max-tp", "2", "--memory-budget", "4GiB",
+              "--min-seconds", "0.05", "--json"]
+    found = json.loads(run(search, tmp_path).stdout)
+    assert found["study_name"].split("-")[-2] == "tp2"
+    rows = {tuple(t["config"]["mesh_shape"]): t for t in found["trials"] if t["tokens_per_s"]}
+    tp = rows[(1, 2, 1, 2)]  # dp2·cp1·tp2: measured, fits, and its peak is a sharded model's
+    assert tp["feasible"] and 0 < tp["peak_bytes"] <= rows[(4, 1)]["peak_bytes"] * 1.5, rows.keys()
+    assert any(len(t["config"]["mesh_shape"]) == 4 and t["config"]["mesh_shape"][2] == 2 for t in found["trials"])
+    refused = subprocess.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--max-tp", "2"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "--max-tp: is 2 but there is no model to split" in refused.stderr, refused.stderr
+
+
 def test_bad_models_are_refused_by_name_before_any_rank_starts(tmp_path):
     with pytest.raises(cptune.ValidationError, match=r"model: .*no config.json there.*nothing is downloaded"):
         cptune.models.load_config(tmp_path)

@@ -21,9 +21,9 @@ from ._hardware import Hardware
 from ._step import Point, Prediction, predict
 
 def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
-           backend: str = "flash") -> tuple[list[Point], list[tuple[str, str]]]:
+           backend: str = "flash", tp_degrees: tuple[int, ...] = (1,)) -> tuple[list[Point], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why."""
-    valid, invalid = configurations(workload, world, (backend,), device_type)
+    valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees)
     return [Point(config, ac) for config in valid for ac in ac_modes], invalid
 
 
@@ -61,6 +61,20 @@ class Plan:
             lines.append(f"... {len(self.predictions) - limit} more (--all shows them)")
         return "\n".join(lines)
 
+    def shortfall(self, more_gpus: Plan | None = None) -> str:
+        """What the closest configuration lacks, when none is predicted to fit: its peak against the budget and its
+        largest parts; ``more_gpus``: a plan of the same job on more GPUs, said if something fits there."""
+        close = min(self.predictions, key=lambda p: p.peak_bytes)
+        parts = sorted(((v, k) for k, v in close.memory.items()), reverse=True)[:4]
+        there = more_gpus.best if more_gpus is not None else None
+        more = (f"On {more_gpus.gpus} GPUs {there.point.label()} is predicted to fit ({format_size(there.peak_bytes)}, "
+                f"{format_rate(there.tokens_per_s_per_gpu)} tokens/s per GPU). " if there is not None else "")
+        return (f"The closest, {close.point.label()}, needs {format_size(close.peak_bytes)} per GPU against "
+                f"{format_size(self.budget)} ({', '.join(f'{k} {format_size(v)}' for v, k in parts)}). {more}It "
+                "would take more GPUs, a shorter --seq-len or a larger --memory-budget; or what cptune does not "
+                "plan: sequence parallelism over tp (the residual stream and norms sharded), a vocabulary-parallel "
+                "loss (the logits sharded), or pipeline parallelism (the layers split into stages)")
+
     def header(self) -> str:
         nodes = max(1, self.gpus // self.gpus_per_node)
         return (f"{self.dims.describe()}\n{self.workload.describe()}\n{self.gpus} x {self.hardware.name} "
@@ -77,11 +91,20 @@ class Plan:
                 "invalid": [{"config": c, "reason": r} for c, r in self.invalid]}
 
 
+def tp_degrees(gpus: int, gpus_per_node: int, max_tp: int | None = None) -> tuple[int, ...]:
+    """The tensor-parallel degrees a plan tries: the divisors of a node's GPUs (tp stays inside a node) up to
+    ``max_tp`` (None: a node's)."""
+    node = min(gpus, gpus_per_node)
+    return tuple(t for t in range(1, node + 1) if node % t == 0 and gpus % t == 0 and t <= (max_tp or node))
+
+
 def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpus_per_node: int = 8,
          budget: int | None = None, ac_modes: tuple[str, ...] = AC_MODES,
-         calibration: Calibration | None = None) -> Plan:
+         calibration: Calibration | None = None, max_tp: int | None = None) -> Plan:
     """Predict every configuration of ``gpus`` GPUs (``gpus_per_node`` per node) for ``dims`` on ``workload``'s
-    sequences; ranked by predicted tokens/s per GPU, those that fit ``budget`` (default: :data:`~cptune._defaults.BUDGET_FRACTION` of the GPU's memory) first."""
+    sequences, tensor parallelism up to ``max_tp`` inside a node (None: a node's GPUs; 1: dp x cp only); ranked
+    by predicted tokens/s per GPU, those that fit ``budget`` (default:
+    :data:`~cptune._defaults.BUDGET_FRACTION` of the GPU's memory) first."""
     problems = []
     if gpus < 1:
         problems.append(Problem("gpus", f"is {gpus}", "give the number of GPUs, e.g. 64"))
@@ -94,7 +117,7 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     raise_if(problems)
     budget = int(BUDGET_FRACTION * hardware.memory_bytes) if budget is None else budget
     calibration = calibration or Calibration()
-    valid, invalid = points(workload, gpus, ac_modes)
+    valid, invalid = points(workload, gpus, ac_modes, tp_degrees=tp_degrees(gpus, gpus_per_node, max_tp))
     if not valid:
         raise ValidationError([Problem("seq_len", f"no configuration of {gpus} GPUs can split this workload: "
                                        + "; ".join(sorted({r for _, r in invalid})[:3]),
@@ -110,6 +133,17 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
                               else p.peak_bytes))
     return Plan(dims=dims, workload=workload, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
                 budget=budget, predictions=preds, invalid=invalid, calibration=calibration)
+
+
+def with_more_gpus(result: Plan, factors: tuple[int, ...] = (2, 4), max_tp: int | None = None) -> Plan | None:
+    """The same job planned on ``factors`` x the GPUs, the first where a configuration is predicted to fit (None:
+    none does)."""
+    for factor in factors:
+        found = plan(result.dims, result.workload, result.hardware, result.gpus * factor, result.gpus_per_node,
+                     result.budget, tuple(sorted({p.point.ac for p in result.predictions})), result.calibration, max_tp)
+        if found.best is not None:
+            return found
+    return None
 
 
 def plan_workload(dims: ModelDims, seq_len: int, batch: int = 1, dtype: str = "bfloat16", causal: bool = True,

@@ -190,15 +190,19 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
 
     ``gemm_dtype``: the linear layers' dtype when it is not the workload's (``float8`` for Float8 training)."""
     w, c, eff = workload, point.config, hw.efficiency
-    dp, cp = c.dp_cp()
-    world = dp * cp
+    mesh = c.parallel_dims()
+    dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
+    world = mesh.world
     ulysses, ring = c.degrees(cp)
     lb = decide_load_balance(c.load_balance, causal=w.causal, cp=cp, ring=ring, seq_len=w.seq_len).on
     e, b, s = w.itemsize, w.batch, w.seq_len
-    tokens = b * s // cp  # this rank's tokens (before Ulysses' exchange)
-    h, hq, kv, f, L = dims.hidden, dims.q_width, dims.kv_width, dims.ffn, dims.layers
-    kv_heads = dims.attended_kv_heads
-    rep = kv_replication(dims.heads, kv_heads, ulysses) if ulysses > 1 else 1
+    tokens = b * s // cp  # this rank's tokens (before Ulysses' exchange); the same on each of its tp ranks
+    # tensor parallelism splits what is between a layer's column- and row-parallel matmuls: heads, K/V and the
+    # MLP's width; the residual stream, its norms, the embeddings and the LM head stay whole on every tp rank
+    h, hq, kv, f, L = dims.hidden, dims.q_width // tp, dims.kv_width // tp, dims.ffn // tp, dims.layers
+    kv_heads = dims.attended_kv_heads // tp
+    heads = dims.heads // tp
+    rep = kv_replication(heads, kv_heads, ulysses) if ulysses > 1 else 1
     kv_att = kv_heads * rep * dims.head_dim  # per token: K's width as attention receives it (so V's)
     block = 2 * b * (kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e  # one ring step's K and V
     exchanged = (2 * hq + 2 * kv_att) * e if ulysses > 1 else 0  # per token: what Ulysses swaps (q, k, v, out)
@@ -212,11 +216,11 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     mem_rate = hw.memory_GBps * 1e9 * eff.memory
 
     # -- compute -------------------------------------------------------------------------
-    matmul = dims.layer_params - 2 * h if not dims.attention_only else 0
+    matmul = (dims.layer_params - 2 * h) / tp if not dims.attention_only else 0
     dense_fwd = 2 * tokens * (L * matmul + (h * dims.vocab if dims.vocab and not dims.attention_only else 0))
     pairs = busiest_pairs(w, ring, lb) * b
-    attn_fwd = 4 * dims.head_dim * (dims.heads / ulysses) * pairs * L
-    per_token = 3 * hq if dims.attention_only else 14 * h + 6 * f
+    attn_fwd = 4 * dims.head_dim * (heads / ulysses) * pairs * L
+    per_token = 3 * hq if dims.attention_only else 8 * h + 6 * (dims.hidden // tp) + 6 * f
     expanded = 2 * hq if dims.kv_expanded else 0  # repeat_kv writes query-wide K and V (and autograd keeps them)
     per_token += expanded
     elem_fwd = tokens * L * per_token * e + (tokens * dims.vocab * 12 if not dims.attention_only else 0)
@@ -242,8 +246,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     comm: dict[str, float] = {}
     exposed = 0.0
     if hops:
-        fwd = links.seconds(hops * block, hops, cp)
-        bwd = links.seconds(hops * block * (1 + 4 / e), 2 * hops, cp)
+        fwd = links.seconds(hops * block, hops, cp * tp)  # the cp group's ranks lie tp apart
+        bwd = links.seconds(hops * block * (1 + 4 / e), 2 * hops, cp * tp)
         passes_fwd = 2 if point.ac == "full" else 1
         ring_t = L * (passes_fwd * fwd + bwd)
         comm["ring"] = ring_t
@@ -252,19 +256,29 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
             exposed += max(0.0, ring_t - hidden_by)
         else:
             exposed += ring_t
+    if tp > 1:  # two all-reduces of the residual stream a layer pass (after the row-parallel matmuls), exposed
+        one = links.seconds(2 * tokens * h * e * (tp - 1) / tp, 2 * (tp - 1), tp)
+        comm["tp"] = L * (2 + 2 + (2 if point.ac == "full" else 0)) * one  # forward, backward, full AC's recompute
+        exposed += comm["tp"]
     if ulysses > 1:
-        one = links.seconds(tokens * exchanged * (ulysses - 1) / ulysses, 4 * (ulysses - 1), ulysses)
+        one = links.seconds(tokens * exchanged * (ulysses - 1) / ulysses, 4 * (ulysses - 1), ulysses * tp)
         comm["ulysses"] = L * (2 + (1 if point.ac == "full" else 0)) * one
         exposed += comm["ulysses"]
-    shards = world if point.fsdp else 1
+    sharded = mesh.dp_shard * cp  # FSDP2's ranks (each tp rank's own); HSDP replicates over dp_replicate
+    shards = sharded if point.fsdp else 1
+    layer_p = dims.layer_params / tp  # a tp rank's share of a layer (its norms, a rounding here, whole)
+    root_p = dims.params - L * dims.layer_params
     if dims.params and world > 1:
-        if point.fsdp:
-            per_layer = links.seconds(dims.layer_params * (2 * e + 4) * (world - 1) / world, 3 * (world - 1), world)
-            fsdp_t = L * per_layer + links.seconds(dims.params - L * dims.layer_params, 3, world)
+        if point.fsdp and sharded > 1:  # the FSDP group's ranks lie tp apart: it spans cp x dp_shard x tp ranks
+            per_layer = links.seconds(layer_p * (2 * e + 4) * (sharded - 1) / sharded, 3 * (sharded - 1), sharded * tp)
+            fsdp_t = L * per_layer + links.seconds(root_p, 3, sharded * tp)
             comm["fsdp"] = fsdp_t
             exposed += max(0.0, fsdp_t - compute) + per_layer  # the first gather is not hidden
+        if point.fsdp and mesh.dp_replicate > 1:  # HSDP: each shard's gradient all-reduced across the replicas
+            comm["hsdp"] = links.seconds(2 * 4 * (L * layer_p + root_p) / sharded, 2, world)
+            exposed += comm["hsdp"]
         elif point.sync == "allreduce":
-            comm["allreduce"] = links.seconds(2 * dims.params * 4 * (world - 1) / world, 2, world)
+            comm["allreduce"] = links.seconds(2 * (L * layer_p + root_p) * 4 * (dp * cp - 1) / (dp * cp), 2, world)
             exposed += comm["allreduce"]
     step = compute + exposed
     time = {"dense": 3 * dense_t, "attention": attention_t, "elementwise": 3 * elem_t, "recompute": recompute,
@@ -272,9 +286,9 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
             "communication": sum(comm.values()), "exposed_communication": exposed}
 
     # -- memory (per rank) -----------------------------------------------------------------
-    p = dims.params
-    gathered = (2 * dims.layer_params + dims.vocab * h) * e if point.fsdp and p and world > 1 else 0
-    lse = dims.heads * 4
+    p = L * layer_p + root_p  # a tp rank's parameters, before FSDP2 shards them
+    gathered = (2 * layer_p + dims.vocab * h) * e if point.fsdp and p and sharded > 1 else 0
+    lse = heads * 4
     ring_extra = hq * 4 + lse if ring > 1 else 0
     if dims.attention_only:
         full_layer = kept_attention_layer(hq * e, ring, exchanged)
@@ -294,8 +308,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
     temps += int(ring_buffer_bytes(block, ring, c, w, received))
     temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
-    memory = {"baseline": hw.baseline_bytes, "parameters": 4 * p // shards, "gradients": 4 * p // shards,
-              "optimizer": (8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
+    memory = {"baseline": hw.baseline_bytes, "parameters": int(4 * p // shards), "gradients": int(4 * p // shards),
+              "optimizer": int(8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
               "activations": int(activations), "logits": int(logits), "attention_buffers": int(temps)}
     peak = sum(memory.values())
     tps = dp * b * s / step
@@ -309,4 +323,6 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         pred.bottleneck = f"exposed communication ({exposed / step:.0%} of the step)"
     else:
         pred.bottleneck = "compute" + (f" ({exposed / step:.0%} exposed communication)" if exposed > 0.01 * step else "")
+    if tp > 1:  # why a tp row wins or loses: its all-reduces against what it saves
+        pred.bottleneck += f"; tp{tp}: all-reduces {comm['tp'] / step:.0%} of the step, matmuls {tp}x narrower"
     return pred

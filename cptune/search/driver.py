@@ -31,7 +31,7 @@ from .records import DOMINATED_ATTR, INTERRUPTED, PLAN_ATTR, TrialRecord, domina
 from .result import SearchResult
 from .settings import SearchSettings
 from .._space import config_from, config_key, invalid_reason, mesh_shapes
-from .space import axes, pytorch_default
+from .space import axes, pytorch_default, tp_degrees
 from .study import default_study_name, finished, get_storage, open_study, question, records, result_from_study, \
     running
 
@@ -46,11 +46,12 @@ def run_study(evaluator, workload: Workload, settings: SearchSettings, *, storag
     """Search ``workload`` on the evaluator's ranks in study ``study_name`` (default: named after the question)."""
     world, device = evaluator.world_size, evaluator.device_type
     env = environment(device, world, evaluator.nproc_per_node).study()
-    name = study_name or default_study_name(workload, world, device, settings.measure, env)
+    tp = tp_degrees(workload, evaluator.nproc_per_node, world, settings.max_tp)
+    name = study_name or default_study_name(workload, world, device, settings.measure, env, max(tp))
     study = open_study(get_storage(storage), name, question(workload, settings.measure, env), world, device,
                        settings.budget, settings.seed, settings.margin)
     try:
-        result = _StudyRun(evaluator, study, workload, settings, progress, interrupts).run(storage)
+        result = _StudyRun(evaluator, study, workload, settings, progress, interrupts, tp).run(storage)
         interrupts.check()  # held through the race's last bookkeeping: stop before the next length
         return result
     except SearchInterrupted as exc:
@@ -61,10 +62,10 @@ class _StudyRun:
     """The state of one study's search: what is open, what is done, and the ranks' memory baseline."""
 
     def __init__(self, evaluator, study: optuna.Study, workload: Workload, settings: SearchSettings,
-                 progress: Progress | None, interrupts: Interrupts) -> None:
+                 progress: Progress | None, interrupts: Interrupts, tp: tuple[int, ...] = (1,)) -> None:
         self.evaluator, self.study, self.workload, self.settings = evaluator, study, workload, settings
         self.progress, self.interrupts = progress, interrupts
-        self.axes = axes(workload, evaluator.world_size, evaluator.device_type)
+        self.axes = axes(workload, evaluator.world_size, evaluator.device_type, tp)
         self.done = finished(study, settings.budget, rerun_skipped=settings.exhaustive, margin=settings.margin)
         self.open_points: dict[str, dict] = {}  # one parameter set per distinct configuration, in search order
         for p in itertools.product(*self.axes.as_dict().values()):

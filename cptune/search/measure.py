@@ -62,13 +62,17 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
     _release_free_memory()
     baseline = current_usage(device)
     reset_peak(device)
-    cp = config.dp_cp()[1]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dims = config.parallel_dims(world)
+    cp = dims.cp
     docs, window = workload.document_ids(), workload.window_pair
     if workload.ac == "auto":
         raise CPTuneError("a trial runs one activation checkpointing mode; ac='auto' is the search's dimension")
     if workload.step or workload.model:
-        build = build_model_step if workload.model else build_user_step
-        step, buffers, seq_dims = build(workload, device)
+        if not dims.is_dp_cp and not workload.model:
+            raise CPTuneError(f"{config.label()}: only a --model step is split by tensor parallelism")
+        step, buffers, seq_dims = build_model_step(workload, device, dims) if workload.model else \
+            build_user_step(workload, device)
         buffers, seq_dims = list(buffers), list(seq_dims)
 
         def run() -> None:
@@ -129,7 +133,7 @@ def baseline_on_rank(mesh_shapes: Sequence[tuple[int, int]] = ()) -> int:
 
 def tokens_per_step(workload: Workload, config: CPConfig) -> int:
     """Tokens the whole world processes in one step: dp replicas x batch x sequence length."""
-    return config.dp_cp()[0] * workload.batch * workload.seq_len
+    return config.parallel_dims().dp * workload.batch * workload.seq_len
 
 
 def summarize(per_rank: Sequence[dict], workload: Workload, config: CPConfig, base: int | None = None) -> dict:

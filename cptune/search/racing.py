@@ -122,7 +122,7 @@ def choose(tied: Sequence[TrialRecord], default: CPConfig | None) -> TrialRecord
     """The tie rule (``TIE_RULE``): a stated order that does not hang on a difference within noise."""
     lowest = min(r.peak_bytes or 0 for r in tied)
     return min(tied, key=lambda r: ((r.peak_bytes or 0) > lowest * (1 + MEMORY_TIE), r.config != default,
-                                    -r.config.dp_cp()[0], r.config.label()))
+                                    -r.config.parallel_dims().dp, r.config.label()))
 
 
 def standing(rounds: Sequence[dict[str, float]], keys: Sequence[str]) -> dict[str, float]:

@@ -113,7 +113,7 @@ class SearchResult:
     def dp_only_note(self) -> str | None:
         """Why a config without CP can win, when it does."""
         best = self.best
-        if best is None or best.config.dp_cp()[1] != 1:
+        if best is None or best.config.parallel_dims().cp != 1:
             return None
         return (f"{best.label} means no context parallelism: each rank holds whole sequences and exchanges "
                 "nothing, so it wins whenever a whole sequence fits the budget. CP pays off when one does not: "

@@ -87,6 +87,7 @@ def search(
     measure: MeasureFn = measure_on_rank,
     confirm: bool = True,
     exhaustive: bool = False,
+    max_tp: int = 1,
 ) -> SearchResult | list[SearchResult] | None:
     """Find the fastest configuration that fits in ``memory_budget`` for ``workload``, measured on real ranks.
 
@@ -109,6 +110,9 @@ def search(
     ``seq_lens``: search each of these sequence lengths (one study each, on the same ranks) and
     return the list of results, in order; a training schedule's lengths in one run.
 
+    ``max_tp``: with a ``workload.model``, also try tensor parallelism up to this degree inside a node, the model
+    split by its own TP plan (:func:`.space.tp_degrees`); its study is its own (named ``-tpN``).
+
     SIGINT or SIGTERM (on the driving process) stops the search at any moment: the ranks are
     killed, the study is left consistent (a trial cut short is measured again, a race cut short
     is run again, when the same call is repeated) and :class:`SearchInterrupted` is raised, with
@@ -122,6 +126,12 @@ def search(
     workloads = [Workload(**{**workload.model_dump(), "seq_len": n}) for n in lengths]  # each length checked
     settings = settings or MeasureSettings()
     problems = _option_problems(n_trials, timeout, trial_timeout, memory_margin, nproc)
+    if not isinstance(max_tp, int) or max_tp < 1:
+        problems.append(Problem("max_tp", f"is {max_tp!r}", "give a positive tensor-parallel degree (1: dp x cp only)"))
+    elif max_tp > 1 and not workload.model:
+        problems.append(Problem("max_tp", f"is {max_tp} but there is no model to split: tensor parallelism splits a "
+                                "model's layers, which the attention proxy and a --workload step do not have",
+                                "give --model, or leave --max-tp at 1"))
     if sampler not in ("auto", "grid", "tpe"):
         problems.append(Problem("sampler", f"unknown sampler {sampler!r}", "use 'auto', 'grid' or 'tpe'"))
     if memory_budget is not None:
@@ -170,7 +180,7 @@ def search(
                     default_budget(evaluator.device_type, evaluator.nproc_per_node)
                 plan = SearchSettings(budget=budget, margin=memory_margin, measure=settings, n_trials=n_trials,
                                       timeout=timeout, trial_timeout=trial_timeout, sampler=sampler, seed=seed,
-                                      confirm=confirm, exhaustive=exhaustive)
+                                      confirm=confirm, exhaustive=exhaustive, max_tp=max_tp)
                 for w in workloads:
                     name = study_name if study_name is None or len(workloads) == 1 else f"{study_name}-S{w.seq_len}"
                     results.append(run_study(evaluator, w, plan, storage=storage, study_name=name, progress=progress,

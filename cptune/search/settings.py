@@ -41,3 +41,5 @@ class SearchSettings:
     confirm: bool = True
     exhaustive: bool = False
     """Run every configuration: the plan orders them but skips none."""
+    max_tp: int = 1
+    """The largest tensor-parallel degree a ``--model`` search tries (1: dp x cp only); see :func:`.space.tp_degrees`."""

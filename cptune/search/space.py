@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import CPConfig, decide_load_balance
-from .._space import AC_MODES, ROTATE_METHODS, configurations, mesh_shapes, strategies, usable_backends
+from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, strategies, usable_backends
 from ..workload import Workload
 
 
@@ -29,10 +29,23 @@ class Axis:
         return math.prod(len(v) for v in self.as_dict().values())
 
 
-def axes(workload: Workload, world_size: int, device_type: str) -> Axis:
+def tp_degrees(workload: Workload, nproc_per_node: int, world_size: int, max_tp: int) -> tuple[int, ...]:
+    """The tensor-parallel degrees a search tries: 1, and for a ``--model`` workload each divisor of a node's ranks
+    up to ``max_tp`` that divides the world and that the model's own TP plan can split (:func:`cptune.models.
+    tp_problems`: its styles, heads, key/value heads and intermediate size)."""
+    if max_tp == 1 or workload.model is None:
+        return (1,)
+    from .. import models
+
+    config = models.load_config(workload.model, workload.model_overrides)
+    return tuple(t for t in range(1, min(max_tp, nproc_per_node) + 1)
+                 if nproc_per_node % t == 0 and world_size % t == 0 and not models.tp_problems(config, t))
+
+
+def axes(workload: Workload, world_size: int, device_type: str, tp: tuple[int, ...] = (1,)) -> Axis:
     backends = usable_backends(device_type, workload.torch_dtype) or ["flash"]
     return Axis(
-        mesh=tuple(f"{dp}x{cp}" for dp, cp in mesh_shapes(world_size)),
+        mesh=tuple("x".join(map(str, shape[-3:] if len(shape) == 4 else shape)) for shape in meshes(world_size, tp)),
         strategy=strategies(world_size),
         rotate_method=ROTATE_METHODS,
         sdpa_backend=tuple(backends),
@@ -41,10 +54,10 @@ def axes(workload: Workload, world_size: int, device_type: str) -> Axis:
     )
 
 
-def all_configs(workload: Workload, world_size: int, device_type: str) -> list[CPConfig]:
+def all_configs(workload: Workload, world_size: int, device_type: str, tp: tuple[int, ...] = (1,)) -> list[CPConfig]:
     """Every distinct valid configuration (the exhaustive oracle's list)."""
     backends = usable_backends(device_type, workload.torch_dtype) or ["flash"]
-    return configurations(workload, world_size, tuple(backends), device_type)[0]
+    return configurations(workload, world_size, tuple(backends), device_type, tp)[0]
 
 
 def pytorch_default(workload: Workload, world_size: int, device_type: str) -> CPConfig:

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .. import models
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from .._loss import packed_labels_and_positions
-from .._session import world_mesh
+from .._session import model_mesh, world_mesh
+from ..mesh import ParallelDims
 from ..errors import CPTuneError, Problem, ValidationError
 from ..workload import Workload
 
@@ -92,13 +93,16 @@ def build_user_step(workload: Workload, device: torch.device):
     return made
 
 
-def build_model_step(workload: Workload, device: torch.device):
+def build_model_step(workload: Workload, device: torch.device, dims: ParallelDims | None = None):
     """A transformers model's training step, as it trains (see :mod:`cptune.models`): built on the meta device
     and materialized one FSDP2-sharded unit at a time over all ranks (no rank holds the whole model), random
     weights the same at any world size, and an AdamW step after backward, so the peak holds parameters,
-    gradients and optimizer state; synthetic tokens, packed as ``documents`` says."""
+    gradients and optimizer state; synthetic tokens, packed as ``documents`` says. ``dims``: the trial's mesh; with tp
+    or dp_replicate the model is split by its own TP plan over the model mesh (:meth:`ParallelDims.model_mesh`)."""
     config = models.load_config(workload.model, workload.model_overrides)
     mesh = world_mesh(device.type) if dist.is_initialized() and dist.get_world_size() > 1 else None
+    if dims is not None and not dims.is_dp_cp:
+        mesh = model_mesh(dims, device.type)
     model = models.build_model(config, device, fsdp_mesh=mesh, ac=workload.ac, compile=workload.compile,
                                dtype=workload.torch_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

@@ -59,9 +59,10 @@ def question(workload: Workload, settings: MeasureSettings, env: dict[str, Any])
 
 
 def default_study_name(workload: Workload, world_size: int, device_type: str, settings: MeasureSettings,
-                       env: dict[str, Any]) -> str:
+                       env: dict[str, Any], max_tp: int = 1) -> str:
     """Readable, plus a short hash of everything that changes the answer: the whole workload,
-    the measurement settings and the environment (torch, cptune, device, ranks per node, nodes)."""
+    the measurement settings and the environment (torch, cptune, device, ranks per node, nodes); ``-tpN`` when the
+    space holds tensor parallelism up to N (its own study: a study's axes cannot change between runs)."""
     kv = f"-kv{workload.kv_heads}" if workload.kv_heads else ""
     step = f"-{workload.step.replace(':', '.')}" if workload.step else ""
     step += f"-{config_path(workload.model).parent.name or 'model'}" if workload.model else ""
@@ -71,7 +72,8 @@ def default_study_name(workload: Workload, world_size: int, device_type: str, se
         (f"-w{workload.window}" if workload.window is not None else "")
     digest = hashlib.sha256(json.dumps(question(workload, settings, env), sort_keys=True).encode()).hexdigest()[:8]
     return (f"cptune-{device_type}{world_size}-S{workload.seq_len}-B{workload.batch}-H{workload.heads}{kv}"
-            f"-D{workload.head_dim}{layers}-{workload.dtype}-{'causal' if workload.causal else 'full'}{step}-{digest}")
+            f"-D{workload.head_dim}{layers}-{workload.dtype}-{'causal' if workload.causal else 'full'}{step}"
+            + (f"-tp{max_tp}" if max_tp > 1 else "") + f"-{digest}")
 
 
 def open_study(storage, name: str, asked: dict[str, Any], world: int, device: str, budget: int,
