@@ -23,11 +23,14 @@ def mesh_shapes(world_size: int) -> list[tuple[int, int]]:
     return [(world_size // cp, cp) for cp in range(world_size, 0, -1) if world_size % cp == 0]
 
 
-def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,)) -> list[tuple[int, ...]]:
-    """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees``: (dp, cp) for tp 1 (as every configuration
-    before the named mesh is written), (1, dp, cp, tp) otherwise; by tp, then most context-parallel first."""
-    return [(dp, cp) if tp == 1 else (1, dp, cp, tp)
-            for tp in tp_degrees if world_size % tp == 0 for dp, cp in mesh_shapes(world_size // tp)]
+def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
+           ) -> list[tuple[int, ...]]:
+    """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees`` and a dp_replicate among ``replicas``: (dp,
+    cp) without either (as every configuration before the named mesh is written), (dp_replicate, dp_shard, cp, tp)
+    otherwise; by replicas, tp, then most context-parallel first."""
+    return [(dp, cp) if tp == 1 and r == 1 else (r, dp, cp, tp)
+            for r in replicas if world_size % r == 0 for tp in tp_degrees if world_size // r % tp == 0
+            for dp, cp in mesh_shapes(world_size // r // tp)]
 
 
 def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
@@ -60,11 +63,13 @@ def config_key(config: CPConfig, ac: str | None = None) -> str:
 
 
 def config_from(params: dict) -> CPConfig:
-    """A configuration from the search's parameters; ``mesh`` 'DPxCP', or 'DPxCPxTP' with tensor parallelism."""
-    dp, cp, *tp = (int(x) for x in params["mesh"].split("x"))
+    """A configuration from the search's parameters; ``mesh`` 'DPxCP', 'DPxCPxTP' with tensor parallelism, or
+    'DPRxDPxCPxTP' with HSDP's replicas too."""
+    degrees = [int(x) for x in params["mesh"].split("x")]
+    r, dp, cp, tp = ([1] * (4 - len(degrees)) + degrees) if len(degrees) > 2 else (1, *degrees, 1)
     strategy, _, u = params.get("strategy", "ring").partition("-u")
     lb = bool(params["load_balance"]) and strategy != "ulysses"
-    shape = (dp, cp) if not tp or tp[0] == 1 else (1, dp, cp, tp[0])
+    shape = (dp, cp) if tp == 1 and r == 1 else (r, dp, cp, tp)
     return canonical(CPConfig(mesh_shape=shape, strategy=strategy, ulysses_degree=int(u) if u else None,
                               rotate_method=params["rotate_method"], sdpa_backend=(params["sdpa_backend"],),
                               load_balance=lb))
@@ -93,7 +98,8 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None
 
 
 def configurations(workload: Workload, world: int, backends: tuple[str, ...], device_type: str | None = None,
-                   tp_degrees: tuple[int, ...] = (1,)) -> tuple[list[CPConfig], list[tuple[str, str]]]:
+                   tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
+                   ) -> tuple[list[CPConfig], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` over ``backends``: (the valid ones, in
     mesh / strategy / rotate / backend / load-balance order, and (label, why) for the invalid ones). The one
     enumeration the search's oracle and ``cptune plan`` both use; a hybrid whose Ulysses group does not split a
@@ -102,9 +108,9 @@ def configurations(workload: Workload, world: int, backends: tuple[str, ...], de
     valid: list[CPConfig] = []
     invalid: list[tuple[str, str]] = []
     balance = (True, False) if workload.causal else (False,)
-    for shape, strategy, rotate, backend, lb in itertools.product(meshes(world, tp_degrees), strategies(world),
-                                                                  ROTATE_METHODS, backends, balance):
-        config = config_from({"mesh": "x".join(map(str, shape[-3:] if len(shape) == 4 else shape)),
+    for shape, strategy, rotate, backend, lb in itertools.product(meshes(world, tp_degrees, replicas),
+                                                                  strategies(world), ROTATE_METHODS, backends, balance):
+        config = config_from({"mesh": "x".join(map(str, shape)),
                               "strategy": strategy, "rotate_method": rotate, "sdpa_backend": backend,
                               "load_balance": lb})
         key = config_key(config)

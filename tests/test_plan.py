@@ -286,6 +286,9 @@ def test_the_plan_proposes_tp_where_it_fits_and_says_what_nothing_fitting_would_
     found = P.plan(dims, P.plan_workload(dims, 32768), hw, 16, budget=40 * 2**30, ac_modes=("selective",))
     tps = {p.point.config.parallel_dims().tp for p in found.predictions}
     assert tps == {1, 2, 4, 8}  # the divisors of a node's 8 GPUs that divide the 32 heads and 8 key/value heads
+    # HSDP on 2 nodes: one replica a node, FSDP2 inside it, priced with its cross-node gradient all-reduce
+    hsdp = [p for p in found.predictions if p.point.config.parallel_dims().dp_replicate == 2]
+    assert hsdp and all(p.time["comm_hsdp"] > 0 and p.point.label().startswith("dpr2·") for p in hsdp)
     assert {p.point.config.parallel_dims().tp for p in P.plan(dims, P.plan_workload(dims, 32768), hw, 16,
                                                                 max_tp=1, ac_modes=("full",)).predictions} == {1}
     recipe = P.predicted_recipe(found)

@@ -21,9 +21,10 @@ from ._hardware import Hardware
 from ._step import Point, Prediction, predict
 
 def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
-           backend: str = "flash", tp_degrees: tuple[int, ...] = (1,)) -> tuple[list[Point], list[tuple[str, str]]]:
+           backend: str = "flash", tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
+           ) -> tuple[list[Point], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why."""
-    valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees)
+    valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees, replicas)
     return [Point(config, ac) for config in valid for ac in ac_modes], invalid
 
 
@@ -117,7 +118,9 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     raise_if(problems)
     budget = int(BUDGET_FRACTION * hardware.memory_bytes) if budget is None else budget
     calibration = calibration or Calibration()
-    valid, invalid = points(workload, gpus, ac_modes, tp_degrees=tp_degrees(gpus, gpus_per_node, max_tp))
+    nodes = gpus // gpus_per_node if gpus > gpus_per_node else 1  # HSDP: one replica a node, FSDP2 inside it
+    valid, invalid = points(workload, gpus, ac_modes, tp_degrees=tp_degrees(gpus, gpus_per_node, max_tp),
+                            replicas=(1, nodes) if nodes > 1 else (1,))
     if not valid:
         raise ValidationError([Problem("seq_len", f"no configuration of {gpus} GPUs can split this workload: "
                                        + "; ".join(sorted({r for _, r in invalid})[:3]),
