@@ -65,11 +65,11 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
     dims = recipe.config.parallel_dims(recipe.launch.world_size)  # the recipe's own ranks (checked at load)
     cp, w = dims.cp, recipe.workload
     problems += recipe.config.degree_problems(cp)
-    problems += dims.model_problems(heads=w.heads, kv_heads=w.kv_heads or w.heads, ulysses=recipe.config.degrees(cp)[0],
+    ulysses, ring = recipe.config.degrees(cp)
+    problems += dims.model_problems(heads=w.heads, kv_heads=w.kv_heads or w.heads, ulysses=ulysses,
                                     argument="config.mesh_shape")
-    ring = recipe.config.degrees(cp)[1] > 1
     for backend in recipe.config.sdpa_backend or ():
-        why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=ring)
+        why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=ring > 1)
         if why and (prov.device_type == "cpu" or torch.cuda.is_available()):
             problems.append(Problem("config.sdpa_backend", f"'{backend}' cannot run here: {why}", rerun))
     return problems

@@ -63,13 +63,11 @@ def config_key(config: CPConfig, ac: str | None = None) -> str:
 
 
 def config_from(params: dict) -> CPConfig:
-    """A configuration from the search's parameters; ``mesh`` 'DPxCP', 'DPxCPxTP' with tensor parallelism, or
-    'DPRxDPxCPxTP' with HSDP's replicas too."""
-    degrees = [int(x) for x in params["mesh"].split("x")]
-    r, dp, cp, tp = ([1] * (4 - len(degrees)) + degrees) if len(degrees) > 2 else (1, *degrees, 1)
+    """A configuration from the search's parameters; ``mesh`` is a shape of :func:`meshes`, 'DPxCP' or
+    'DPRxDPxCPxTP'."""
+    shape = tuple(int(x) for x in params["mesh"].split("x"))
     strategy, _, u = params.get("strategy", "ring").partition("-u")
     lb = bool(params["load_balance"]) and strategy != "ulysses"
-    shape = (dp, cp) if tp == 1 and r == 1 else (r, dp, cp, tp)
     return canonical(CPConfig(mesh_shape=shape, strategy=strategy, ulysses_degree=int(u) if u else None,
                               rotate_method=params["rotate_method"], sdpa_backend=(params["sdpa_backend"],),
                               load_balance=lb))

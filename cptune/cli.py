@@ -147,16 +147,14 @@ def show(recipe_path, as_json) -> None:
     m, p = recipe.metrics, recipe.provenance
     click.echo(recipe.header(recipe_path).rstrip())
     click.echo(f"workload : {recipe.workload.describe()}")
-    w = recipe.workload
+    w, c = recipe.workload, recipe.config
+    mesh = c.parallel_dims(recipe.launch.world_size)
     if w.model:
         click.echo(f"model run: {w.model}" + (f" with {w.model_overrides}" if w.model_overrides else "")
                    + f", {w.seq_len} tokens x {w.batch} per replica, {w.documents or 'unpacked'}, ac {w.ac}, "
                    f"compile {'on' if w.compile else 'off'}, FSDP2 over dp x cp"
-                   + (", tp by the model's own plan" if recipe.config.parallel_dims(recipe.launch.world_size).tp > 1
-                      else "") + ", AdamW")
-    c = recipe.config
-    cp_ranks = c.parallel_dims(recipe.launch.world_size).cp
-    click.echo(f"config   : {c.label()}" + ("" if cp_ranks == 1 else f"  (strategy {c.strategy}"
+                   + (", tp by the model's own plan" if mesh.tp > 1 else "") + ", AdamW")
+    click.echo(f"config   : {c.label()}" + ("" if mesh.cp == 1 else f"  (strategy {c.strategy}"
                + (f", ulysses_degree {c.ulysses_degree}" if c.ulysses_degree else "") + ")"))
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
                f"script {recipe.launch.script or '(give one after --)'}")

@@ -149,9 +149,11 @@ def model_workload(model: str | Path, overrides: Mapping[str, Any] | None = None
     return Workload(model=str(model), model_overrides=dict(overrides) if overrides else None, **shape, **fields)
 
 
-def tp_problems(config, tp: int, argument: str = "mesh.tp") -> list[Problem]:
+def tp_problems(config, tp: int, argument: str = "mesh.tp", model: nn.Module | None = None) -> list[Problem]:
     """Why ``config``'s model cannot be split over ``tp`` ranks by its own TP plan (``base_model_tp_plan``): no
-    plan, a style cptune does not apply, or heads, key/value heads or intermediate size tp does not divide."""
+    plan, a style cptune does not apply, a module left whole beside split ones, or heads, key/value heads or
+    intermediate size tp does not divide. ``model``: the model already made from ``config`` (else one is made on
+    the meta device to read its layers)."""
     if tp == 1:
         return []
     text = getattr(config, "get_text_config", lambda: config)()
@@ -165,7 +167,7 @@ def tp_problems(config, tp: int, argument: str = "mesh.tp") -> list[Problem]:
                         f"({'; '.join(odd)})", f"use tp=1 for this model (cptune applies {', '.join(known)})")
                 ] if odd else []
     keys = [key.split("layers.*.", 1)[1] for key in plan if key.startswith("layers.*.")]
-    whole = P.whole_beside_split(decoder_layers(_empty_model(config))[0], keys)
+    whole = P.whole_beside_split(decoder_layers(model or _empty_model(config))[0], keys)
     if whole:
         problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan leaves {', '.join(whole)} "
                                 "whole beside the modules it splits: each tp rank's gradient there would be a part "
@@ -195,9 +197,9 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     AC and compile, FSDP2), and FSDP2 shards over ``dp_shard_cp``, replicated over ``dp_replicate`` (HSDP)."""
     device = torch.device(device)
     tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
-    if tp_mesh is not None:
-        raise_if(tp_problems(config, tp_mesh.size()))
     model = _empty_model(config)
+    if tp_mesh is not None:
+        raise_if(tp_problems(config, tp_mesh.size(), model=model))
     if weights is not None:
         tensors = _weights.stored_tensors(weights)
         raise_if(_weights.weight_problems(model, tensors))
@@ -315,7 +317,7 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
     tensor parallelism by the model's own plan first."""
     tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
     if tp_mesh is not None:
-        raise_if(tp_problems(model.config, tp_mesh.size()))
+        raise_if(tp_problems(model.config, tp_mesh.size(), model=model))
     _prepare(model, ac, compile)
     shard = P.sharder(fsdp_mesh, dtype)
     if shard is None:

@@ -103,11 +103,12 @@ def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
 
 def test_a_model_search_with_max_tp_measures_the_model_split_by_tensor_parallelism(tmp_path):
     """--max-tp 2: the search's space holds tp2 meshes (the model split by its own TP plan, measured on the ranks),
-    in a study of its own; without --model there is no model to split, and that is said by name."""
+    in a study of its own, which a search without it does not resume; without --model there is no model to split,
+    and that is said by name."""
     search = [sys.executable, "-m", "cptune", "search", "--model", str(MODEL), "--model-override",
-              "num_hidden_layers=1", "--seq-len", "64", "--nproc", "4", "--max-tp", "2", "--memory-budget", "4GiB",
-              "--min-seconds", "0.05", "--json"]
-    found = json.loads(run(search, tmp_path).stdout)
+              "num_hidden_layers=1", "--seq-len", "64", "--nproc", "4", "--memory-budget", "4GiB", "--min-seconds",
+              "0.05"]
+    found = json.loads(run([*search, "--max-tp", "2", "--json"], tmp_path).stdout)
     assert found["study_name"].split("-")[-2] == "tp2"
     rows = {tuple(t["config"]["mesh_shape"]): t for t in found["trials"] if t["tokens_per_s"]}
     tp = rows[(1, 2, 1, 2)]  # dp2·cp1·tp2: measured, fits, and its peak is a sharded model's
@@ -116,6 +117,10 @@ def test_a_model_search_with_max_tp_measures_the_model_split_by_tensor_paralleli
     refused = subprocess.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--max-tp", "2"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "--max-tp: is 2 but there is no model to split" in refused.stderr, refused.stderr
+    # the study's axes hold tp: resumed by name without --max-tp, it is another question, said by name
+    other = subprocess.run([*search, "--study-name", found["study_name"]], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert other.returncode == 1 and "tensor-parallel degrees [1, 2] -> [1]" in other.stderr, other.stderr[-2000:]
 
 
 def test_bad_models_are_refused_by_name_before_any_rank_starts(tmp_path):

@@ -47,8 +47,8 @@ def run_study(evaluator, workload: Workload, settings: SearchSettings, *, storag
     world, device = evaluator.world_size, evaluator.device_type
     env = environment(device, world, evaluator.nproc_per_node).study()
     tp = tp_degrees(workload, evaluator.nproc_per_node, world, settings.max_tp)
-    name = study_name or default_study_name(workload, world, device, settings.measure, env, max(tp))
-    study = open_study(get_storage(storage), name, question(workload, settings.measure, env), world, device,
+    name = study_name or default_study_name(workload, world, device, settings.measure, env, tp)
+    study = open_study(get_storage(storage), name, question(workload, settings.measure, env, tp), world, device,
                        settings.budget, settings.seed, settings.margin)
     try:
         result = _StudyRun(evaluator, study, workload, settings, progress, interrupts, tp).run(storage)

@@ -45,7 +45,7 @@ def tp_degrees(workload: Workload, nproc_per_node: int, world_size: int, max_tp:
 def axes(workload: Workload, world_size: int, device_type: str, tp: tuple[int, ...] = (1,)) -> Axis:
     backends = usable_backends(device_type, workload.torch_dtype) or ["flash"]
     return Axis(
-        mesh=tuple("x".join(map(str, shape[-3:] if len(shape) == 4 else shape)) for shape in meshes(world_size, tp)),
+        mesh=tuple("x".join(map(str, shape)) for shape in meshes(world_size, tp)),
         strategy=strategies(world_size),
         rotate_method=ROTATE_METHODS,
         sdpa_backend=tuple(backends),

@@ -49,20 +49,24 @@ def get_storage(storage: None | str | optuna.storages.BaseStorage,
                                        "give a URL like sqlite:///cptune.db or postgresql://user@host/db")]) from None
 
 
-def question(workload: Workload, settings: MeasureSettings, env: dict[str, Any]) -> dict[str, Any]:
+def question(workload: Workload, settings: MeasureSettings, env: dict[str, Any], tp: tuple[int, ...] = (1,)
+             ) -> dict[str, Any]:
     """What a study answers: the workload (a model's by its config's content too, not only its path), how it
-    is measured, and where (``Environment.study()``)."""
+    is measured, and where (``Environment.study()``); with tensor parallelism, the tp degrees its space holds (a
+    study's axes cannot change between runs; left out at tp 1, so the studies before it keep their names)."""
     asked = {"workload": workload.question(), "settings": settings.model_dump(mode="json"), "environment": env}
     if workload.model:
         asked["model_config"] = hashlib.sha256(config_path(workload.model).read_bytes()).hexdigest()[:16]
+    if tuple(tp) != (1,):
+        asked["tp"] = list(tp)
     return asked
 
 
 def default_study_name(workload: Workload, world_size: int, device_type: str, settings: MeasureSettings,
-                       env: dict[str, Any], max_tp: int = 1) -> str:
+                       env: dict[str, Any], tp: tuple[int, ...] = (1,)) -> str:
     """Readable, plus a short hash of everything that changes the answer: the whole workload,
-    the measurement settings and the environment (torch, cptune, device, ranks per node, nodes); ``-tpN`` when the
-    space holds tensor parallelism up to N (its own study: a study's axes cannot change between runs)."""
+    the measurement settings and the environment (torch, cptune, device, ranks per node, nodes), and ``-tpN`` when
+    the space holds tensor parallelism up to N (:func:`question`)."""
     kv = f"-kv{workload.kv_heads}" if workload.kv_heads else ""
     step = f"-{workload.step.replace(':', '.')}" if workload.step else ""
     step += f"-{config_path(workload.model).parent.name or 'model'}" if workload.model else ""
@@ -70,10 +74,10 @@ def default_study_name(workload: Workload, world_size: int, device_type: str, se
     layers = f"-L{workload.layers}" if workload.layers != 1 else ""
     layers += (f"-docs{workload.documents.replace(',', '_')[:24]}" if workload.documents else "") + \
         (f"-w{workload.window}" if workload.window is not None else "")
-    digest = hashlib.sha256(json.dumps(question(workload, settings, env), sort_keys=True).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(json.dumps(question(workload, settings, env, tp), sort_keys=True).encode()).hexdigest()[:8]
     return (f"cptune-{device_type}{world_size}-S{workload.seq_len}-B{workload.batch}-H{workload.heads}{kv}"
             f"-D{workload.head_dim}{layers}-{workload.dtype}-{'causal' if workload.causal else 'full'}{step}"
-            + (f"-tp{max_tp}" if max_tp > 1 else "") + f"-{digest}")
+            + (f"-tp{max(tp)}" if max(tp) > 1 else "") + f"-{digest}")
 
 
 def open_study(storage, name: str, asked: dict[str, Any], world: int, device: str, budget: int,
@@ -95,6 +99,8 @@ def open_study(storage, name: str, asked: dict[str, Any], world: int, device: st
                    for field, old, new in _changed(attrs.get(part) or {}, asked[part])]
         if attrs.get("world_size") != world:
             changes.append(f"world size {attrs.get('world_size')} -> {world}")
+        if attrs.get("tp", [1]) != asked.get("tp", [1]):
+            changes.append(f"tensor-parallel degrees {attrs.get('tp', [1])} -> {asked.get('tp', [1])}")
         if changes:
             raise ValidationError([Problem("study_name", f"study {name!r} was measured for another question "
                                            f"({'; '.join(changes)})", "leave --study-name out (each question "
