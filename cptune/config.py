@@ -39,9 +39,15 @@ class StrictModel(BaseModel):
 def _problems(model: type[BaseModel], exc: pydantic.ValidationError) -> list[Problem]:
     problems = []
     for err in exc.errors():
-        carried = getattr((err.get("ctx") or {}).get("error"), "problem", None)
+        error = (err.get("ctx") or {}).get("error")
+        carried = getattr(error, "problem", None)
         if carried is not None:  # a validator that knows the argument and the fix (ProblemError)
             problems.append(carried)
+            continue
+        if isinstance(error, ValidationError):  # a nested StrictModel's own problems, named under this field
+            where = ".".join(str(part) for part in err["loc"])
+            problems += [p if not where or p.argument.startswith(f"{where}.") else
+                         Problem(f"{where}.{p.argument}", p.message, p.fix) for p in error.problems]
             continue
         loc = [str(part) for part in err["loc"]]
         owner, field = model, None  # walk nested models down to the field the error is about

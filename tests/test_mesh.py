@@ -46,6 +46,15 @@ def test_a_mesh_that_is_not_the_world_is_named(shape, world, match):
 def test_a_malformed_mesh_shape_is_named(shape, match):
     with pytest.raises(ValidationError, match=f"mesh_shape: .*{match}"):
         cptune.CPConfig(mesh_shape=shape)
+    # inside a recipe: named by its path in the recipe, once, not as the config's whole repr
+    data = load_recipe("recipes/cpu-2r-s1024-noncausal.yaml").model_dump(mode="json")
+    data["config"]["mesh_shape"] = list(shape)
+    from cptune.recipe import Recipe
+
+    with pytest.raises(ValidationError) as raised:
+        Recipe(**data)
+    assert [p.argument for p in raised.value.problems] == ["config.mesh_shape"]
+    assert match in raised.value.problems[0].message and "rotate_method" not in str(raised.value)
 
 
 def test_tp_that_does_not_split_the_model_is_named_all_at_once():
