@@ -3,6 +3,7 @@
     python -m benchmarks.plan                   # 2 and 4 gloo ranks (~20 min on 2 cores)
     python -m benchmarks.plan --update-readme   # also rewrite its section of README.md or docs/ (plan)
     python -m benchmarks.plan --from-results benchmarks/results/plan-DATE.json --update-readme
+    python -m benchmarks.plan --published --update-readme   # only the published TP x CP points (instant)
 
 1. This machine: ``cptune probe`` measures its rates on 2 (then 4) ranks; a grid search (every
    configuration once: meshes x strategies x splits x rotate x LB x AC none/selective/full, the Llama
@@ -17,7 +18,8 @@
    over one grid's, and the grids' measured tokens/s of its pick over the grids' best.
 3. Published figures (``PUBLISHED``): torchtitan's Llama 3.1 8B CP table, calibrated on one point
    (FSDP 8, CP 1) and predicting the others; ring-flash-attention's ring / zigzag efficiencies with no
-   calibration at all. Every error is reported, the misses too.
+   calibration at all; NeMo's Llama 2 7B long-sequence runs (TP 1-8 x CP 1-32, up to 1,024 GPUs), calibrated on
+   its one TP 1 run. Every error is reported, the misses too.
 4. The ring's traffic outside its kernels per further ring step, as ``benchmarks.ring_traffic`` measures it
    here: the figures the step model's ``RING_STEP_BYTES`` hold.
 """
@@ -58,6 +60,17 @@ TORCHTITAN = {
                   kv_expanded=True, name="Llama 3.1 8B"),  # torchtitan's Llama: repeat_kv before SDPA
     "points": [  # (dp = FSDP degree, cp, sequence length, published tokens/s per GPU, published memory GiB)
         (8, 1, 32768, 3890, 83.9), (4, 2, 65536, 2540, 84.2), (2, 4, 131072, 1071, 84.0), (1, 8, 262144, 548, 84.5)],
+}
+NEMO = {
+    "source": "NeMo Framework 24.12 user guide, Long Sequence Performance: Llama 2 7B, FP8, DGX H100 (8 GPUs a node), "
+              "the runs 'with CP' (Megatron-Core: TP x PP x DP x CP, one sequence per micro-batch)",
+    "url": "https://docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_long_sequence.html",
+    "model": dict(layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, ffn=11008, vocab=32000,
+                  name="Llama 2 7B"),
+    "points": [  # (sequence length K, GPUs, tp, pp, dp, cp, published model TFLOP/s per GPU)
+        (4, 4, 1, 1, 4, 1, 768), (8, 8, 1, 2, 4, 1, 730), (16, 16, 2, 1, 8, 1, 660), (32, 32, 2, 1, 8, 2, 610),
+        (64, 64, 4, 1, 8, 2, 574), (128, 128, 4, 1, 8, 4, 555), (256, 256, 4, 1, 8, 8, 549),
+        (512, 512, 8, 1, 4, 16, 549), (1024, 1024, 8, 1, 4, 32, 536)],
 }
 RING_FLASH = {
     "source": "zhuzilin/ring-flash-attention README, batch api, fwd + bwd, 8 GPUs, Llama-3.1-8B attention (32 "
@@ -190,6 +203,49 @@ def torchtitan() -> dict:
             "compute_factor": cal.compute, "rows": rows}
 
 
+def nemo_flops_per_token(model: dict, seq_len: int) -> float:
+    """NeMo's model FLOPs of a Llama token (nemo/utils/flops_formulas.py, ``llama2``): forward and backward, no
+    recompute, attention counted whole (not halved for the causal mask), which is how its TFLOP/s were reported."""
+    h, L = model["hidden"], model["layers"]
+    return L * h * h * (12 + 12 * model["kv_heads"] / model["heads"] + 18 * model["ffn"] / h + 12 * seq_len / h
+                        + 6 * model["vocab"] / (L * h))
+
+
+def nemo() -> dict:
+    """The plan against NeMo's TP x CP runs: calibrated on the one tp = 1, pp = 1 run (4K tokens, DP 4) and
+    predicting the others; the published TFLOP/s become tokens/s per GPU by NeMo's own FLOPs formula. The run with
+    PP 2 is listed, not predicted: the plan has no pipeline parallelism."""
+    dims = P.ModelDims(**NEMO["model"])
+    hw = P.load_hardware("h100")
+    rows, preds = [], []
+    for k, gpus, tp, pp, dp, cp, tflops in NEMO["points"]:
+        s = k * 1024
+        published = tflops * 1e12 / nemo_flops_per_token(NEMO["model"], s)
+        pred = None
+        if pp == 1:
+            config = cptune.CPConfig(mesh_shape=(1, dp, cp, tp), rotate_method="alltoall", load_balance=True)
+            pred = P.predict(dims, P.plan_workload(dims, s), P.Point(config, "none"), hw, 8, gemm_dtype="float8")
+        preds.append(pred)
+        rows.append({"config": f"TP {tp}, PP {pp}, DP {dp}, CP {cp}, S={k}K, {gpus} GPUs", "tp": tp, "cp": cp,
+                     "published_tflops": tflops, "published": published, "calibration": tp == 1 and pp == 1})
+    first = next(i for i, r in enumerate(rows) if r["calibration"])
+    p0 = preds[first]
+    cal = P.calibrate([p0], [p0.step_s * p0.tokens_per_s_per_gpu / rows[first]["published"]])
+    for r, p in zip(rows, preds):
+        if p is None:
+            r.update(predicted=None, error=None, note="pipeline parallel: not in the plan")
+            continue
+        c = cal.apply(p)
+        r.update(predicted=c.tokens_per_s_per_gpu, error=c.tokens_per_s_per_gpu / r["published"] - 1,
+                 predicted_tflops=c.tokens_per_s_per_gpu * nemo_flops_per_token(NEMO["model"], int(
+                     r["config"].split("S=")[1].split("K")[0]) * 1024) / 1e12,
+                 predicted_bottleneck=c.bottleneck)
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None and not r["calibration"]]
+    return {"source": NEMO["source"], "url": NEMO["url"], "calibrated_on": rows[first]["config"],
+            "compute_factor": cal.compute, "rows": rows, "worst_error": max(errors),
+            "within_15": sum(e <= 0.15 for e in errors), "predicted_points": len(errors)}
+
+
 def ring_flash() -> dict:
     dims = P.ModelDims(layers=1, hidden=4096, heads=32, kv_heads=8, head_dim=128, attention_only=True)
     profiles = {"8xH800": P.load_hardware("h100").model_copy(update={  # H800: H100 with 400 GB/s NVLink
@@ -206,6 +262,25 @@ def ring_flash() -> dict:
                      "error": predicted / published - 1})
     return {"source": RING_FLASH["source"], "calibrated_on": "nothing (efficiencies cancel in the ratio)",
             "rows": rows}
+
+
+def nemo_lines(n: dict) -> list[str]:
+    lines = [f"[{n['source']}]({n['url']}), calibrated on its one run with TP 1 and PP 1 ({n['calibrated_on']}; "
+             f"compute factor {n['compute_factor']:.2f}); published model TFLOP/s per GPU turned into tokens/s per GPU "
+             "by NeMo's own FLOPs formula (`benchmarks.plan.nemo_flops_per_token`); FP8 matmuls, no activation "
+             "checkpointing, FSDP2 over DP x CP where Megatron keeps a distributed optimizer:", "",
+             "| configuration | published TFLOP/s/GPU | published tokens/s/GPU | predicted | error | plan's bottleneck |",
+             "|---|---|---|---|---|---|"]
+    for r in n["rows"]:
+        if r["predicted"] is None:
+            lines.append(f"| {r['config']} | {r['published_tflops']} | {r['published']:,.0f} | - | - | {r['note']} |")
+            continue
+        mark = " (calibration point)" if r["calibration"] else ""
+        lines.append(f"| {r['config']}{mark} | {r['published_tflops']} | {r['published']:,.0f} | "
+                     f"{r['predicted']:,.0f} | {r['error']:+.0%} | {r['predicted_bottleneck']} |")
+    lines += ["", f"Worst error of the {n['predicted_points']} predicted runs: {n['worst_error']:.1%}; "
+                  f"{n['within_15']} of {n['predicted_points']} within 15 %."]
+    return lines
 
 
 def summary_lines(results: dict) -> list[str]:
@@ -254,6 +329,8 @@ def summary_lines(results: dict) -> list[str]:
               "| GPUs | implementation | published share of theoretic | predicted | error |", "|---|---|---|---|---|"]
     for r in results["ring_flash"]["rows"]:
         lines.append(f"| {r['gpus']} | {r['impl']} | {r['published']:.1%} | {r['predicted']:.1%} | {r['error']:+.0%} |")
+    if "nemo" in results:
+        lines += ["", *nemo_lines(results["nemo"])]
     if "ring_traffic" in results:
         lines += ["", *ring_traffic.summary_lines(results["ring_traffic"])]
     return lines
@@ -265,8 +342,16 @@ def main() -> None:
     parser.add_argument("--update-readme", action="store_true")
     parser.add_argument("--from-results", default=None, metavar="JSON",
                         help="Print (and with --update-readme, write) the summary of an earlier run's results file")
+    parser.add_argument("--published", action="store_true",
+                        help="Only the published TP x CP points (NeMo's): no ranks, no grid")
     args = parser.parse_args()
     from .report import publish, replace_readme_section
+
+    if args.published:
+        results = {"command": "python -m benchmarks.plan --published",
+                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M"), "nemo": nemo()}
+        publish("plan-published", results, nemo_lines(results["nemo"]), args.update_readme)
+        return
 
     if args.from_results:
         lines = summary_lines(json.loads(Path(args.from_results).read_text()))
@@ -288,6 +373,7 @@ def main() -> None:
             Path("/tmp/cptune-plan-partial.json").write_text(json.dumps(results, indent=1))  # a long run's progress
     results["torchtitan"] = torchtitan()
     results["ring_flash"] = ring_flash()
+    results["nemo"] = nemo()
     results["ring_traffic"] = ring_traffic.measure()
     results["total_seconds"] = time.monotonic() - started
     publish("plan", results, summary_lines(results), args.update_readme)

@@ -105,7 +105,7 @@ def build_peaks(model: Path, ranks: int, whole: bool) -> list[dict]:
 def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: int = 2, steps: int = 2,
                      margin: float | None = None, seq_len: int = 32) -> dict:
     """``cptune search --model`` at ``seq_len`` tokens under ``budget`` (``trials`` configurations; ``margin``: its
-    --memory-margin, default the search's), then ``cptune launch`` of its recipe (``steps`` steps)."""
+    --memory-margin, default the search's), then ``cptune launch`` of its recipe (``steps`` steps; 0: not launched)."""
     cmd = [sys.executable, "-m", "cptune", "search", "--model", str(model), "--seq-len", str(seq_len),
            "--nproc", str(ranks),
            "--memory-budget", f"{budget // 2**20}MiB", "--n-trials", str(trials), "--min-seconds", "0", "--storage",
@@ -119,6 +119,11 @@ def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: i
     import cptune
 
     recipe = cptune.load_recipe(work / "scale.yaml")
+    searched = {"search_command": " ".join(cmd[1:]), "search_s": search_s, "best": recipe.config.label(),
+              "search_peak_per_rank": recipe.metrics.peak_bytes_per_rank, "search_table": found.stdout,
+              "search_tokens_per_s": recipe.metrics.tokens_per_s}
+    if not steps:
+        return searched
     train = [sys.executable, "-m", "cptune", "launch", str(work / "scale.yaml"), "--", str(ROOT / "examples/train_hf.py"),
              "--steps", str(steps), "--losses-out", str(work / "losses.json")]
     t0 = time.perf_counter()
@@ -127,9 +132,7 @@ def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: i
     if trained.returncode != 0:
         raise RuntimeError(trained.stdout[-3000:] + trained.stderr[-3000:])
     losses = json.loads((work / "losses.json").read_text())
-    return {"search_command": " ".join(cmd[1:]), "search_s": search_s, "best": recipe.config.label(),
-            "search_peak_per_rank": recipe.metrics.peak_bytes_per_rank, "search_table": found.stdout,
-            "train_s": train_s, "losses": losses["losses"], "train_peak_per_rank": losses.get("peaks")}
+    return {**searched, "train_s": train_s, "losses": losses["losses"], "train_peak_per_rank": losses.get("peaks")}
 
 
 def main() -> None:

@@ -15,6 +15,8 @@ Main API:
   windows (``context_parallel(documents=..., window=...)``), at the cost of the attended pairs.
 - ``cptune.hf.enable(model)``: transformers models under CP; ``cptune.models``: a transformers model from
   its config, prepared for training (AC, compile, FSDP2) as ``cptune search --model`` measures it.
+- :func:`parallelize`: a plain PyTorch model split by tensor parallelism (sequence parallel on the residual stream),
+  checkpointed and compiled, then sharded by FSDP2 over the named mesh, in torchtitan's order.
 - :func:`tune`: measure configurations on real ranks, return the fastest that fits in memory (``cptune.search``
   is its subpackage: settings, results, storage; calling it is the deprecated spelling of ``tune``).
 - :func:`init_rank` / :func:`close_rank`: the start and end of a training process under python or torchrun.
@@ -35,6 +37,7 @@ from .context import CPTuneWarning, context_parallel, num_items_in_batch, replic
     unshard
 from .errors import CPTuneError, Problem, ValidationError
 from .mesh import ParallelDims
+from ._parallelize import parallelize
 from ._rank import close_rank, init_rank
 from .recipe import Recipe, load_recipe, save_recipe
 from . import search  # the subpackage (calling it is the deprecated spelling of tune)
@@ -64,6 +67,7 @@ __all__ = [
     "load_recipe",
     "num_items_in_batch",
     "packed_labels_and_positions",
+    "parallelize",
     "replica_rows",
     "save_recipe",
     "scaled_dot_product_attention",

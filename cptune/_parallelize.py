@@ -1,10 +1,12 @@
-"""Parallelizing a model, one unit at a time, in torchtitan's order: tensor parallelism by the model's own plan,
-then FSDP2 (HSDP where replicated). ``cptune.models`` builds with it; it knows nothing of CP (the block shards the
-sequence) and imports nothing of cptune's but the mesh and the errors."""
+"""Parallelizing a model, one unit at a time, in torchtitan's order: tensor parallelism by the model's own plan with
+sequence parallelism on the residual stream, then FSDP2 (HSDP where replicated). ``cptune.models`` builds with it;
+it knows nothing of CP (the block shards the sequence; sequence parallelism splits each CP rank's share further, over
+tp) and imports nothing of cptune's but the mesh and the errors."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,12 +78,118 @@ def sharder(mesh: Any, dtype: torch.dtype):
                              mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
 
 
-def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None, shard: Any) -> None:
-    """One decoder layer (or the root, ``plan`` None): split over ``tp_mesh`` by ``plan``, then sharded by ``shard``
-    (:func:`sharder`; None: not sharded)."""
-    if plan is not None and tp_mesh is not None:
-        from torch.distributed.tensor.parallel import parallelize_module
+def sequence_parallel(layer: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``plan`` with sequence parallelism, torchtitan's default beside TP: between the split blocks the residual
+    stream is split over tp by sequence, each tp rank holding its share of the tokens. The row-parallel matmuls that
+    end a block reduce-scatter their output by sequence instead of all-reducing it; the layer's own token-wise
+    modules with parameters (its norms) run on the tokens a rank holds; the blocks (the parents of split modules,
+    returned) all-gather their input (:func:`gather_block_inputs`). Returns (the plan, the blocks)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
-        parallelize_module(unit, tp_mesh, plan)
+    blocks = sorted({key.rsplit(".", 1)[0] for key in plan if "." in key})
+    out = {key: RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1))
+           if isinstance(style, RowwiseParallel) else style for key, style in plan.items()}
+    for name, child in layer.named_children():
+        if name not in blocks and name not in plan and any(True for _ in child.parameters()):
+            out[name] = SequenceParallel(use_local_output=True)
+    return out, blocks
+
+
+def _placed(x: torch.Tensor, mesh: Any, source: Any, target: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [source], run_check=False)
+    return x.redistribute(mesh, [target])
+
+
+def gather_block_inputs(layer: nn.Module, blocks: list[str], tp_mesh: Any) -> None:
+    """Each block of ``layer`` takes the whole sequence: its hidden states (first positional argument, or the
+    ``hidden_states`` keyword) all-gathered over tp, kept a replicated DTensor so that the column-parallel matmuls
+    inside reduce-scatter its gradient."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    def gather(module, args, kwargs):
+        if args:
+            return (_placed(args[0], tp_mesh, Shard(1), Replicate()), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _placed(kwargs["hidden_states"], tp_mesh, Shard(1), Replicate())}
+
+    for name in blocks:
+        layer.get_submodule(name).register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def split_sequence(layers: list[nn.Module], tp_mesh: Any) -> None:
+    """The residual stream enters the first decoder layer split by sequence over tp (each tp rank its share of the
+    tokens it holds whole) and leaves the last one whole again, for the final norm and the LM head; a sequence tp
+    does not divide is refused by name."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    tp = tp_mesh.size()
+
+    def split(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        if x.shape[1] % tp:
+            raise ValidationError([Problem("seq_len", f"each CP rank's {x.shape[1]} tokens do not split over "
+                                           f"tp={tp} ranks (sequence parallelism)", "use a sequence length "
+                                           "divisible by cp x tp (2 x cp x tp with load balancing)")])
+        x = _placed(x, tp_mesh, Replicate(), Shard(1)).to_local()
+        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+
+    def gather(module, args, output):
+        first = output[0] if isinstance(output, tuple) else output
+        whole = _placed(first, tp_mesh, Shard(1), Replicate()).to_local()
+        return (whole, *output[1:]) if isinstance(output, tuple) else whole
+
+    layers[0].register_forward_pre_hook(split, with_kwargs=True)
+    layers[-1].register_forward_hook(gather)
+
+
+def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> None:
+    """``layer`` split over ``tp_mesh`` by ``plan`` (torch styles) with sequence parallelism (:func:`sequence_parallel`,
+    :func:`gather_block_inputs`); the layers' ends are :func:`split_sequence`'s."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan, blocks = sequence_parallel(layer, plan)
+    parallelize_module(layer, tp_mesh, plan)
+    gather_block_inputs(layer, blocks, tp_mesh)
+
+
+def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None, shard: Any) -> None:
+    """One decoder layer (or the root, ``plan`` None): split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`), then
+    sharded by ``shard`` (:func:`sharder`; None: not sharded)."""
+    if plan is not None and tp_mesh is not None:
+        apply_tp(unit, tp_mesh, plan)
     if shard is not None:
         shard(unit)
+
+
+def parallelize(model: nn.Module, layers: nn.ModuleList, mesh: Any = None, tp_plan: dict[str, str] | None = None,
+                wrap: Callable[[nn.Module], nn.Module] | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A plain PyTorch model parallelized in one step, in torchtitan's order, as ``cptune.models.build_model`` does a
+    transformers one: each of ``layers`` (the model's blocks) split over ``mesh``'s tp dim by ``tp_plan`` (module
+    names under a block -> ``"colwise"`` or ``"rowwise"``, transformers' style names) with sequence parallelism on
+    the residual stream, then ``wrap(block)`` (activation checkpointing, compile: it returns the block to keep), then
+    FSDP2 over the data-parallel dims (HSDP across dp_replicate), the root last. ``mesh``:
+    :meth:`cptune.ParallelDims.model_mesh`, a 1-D mesh (FSDP2 alone), or None (``wrap`` alone). Returns ``model``."""
+    tp_mesh, data = split_mesh(mesh)
+    plan = None
+    if tp_mesh is not None:
+        styles = tp_styles()
+        odd = sorted(f"{k}: {v}" for k, v in (tp_plan or {}).items() if v not in styles)
+        if not tp_plan or odd:
+            raise ValidationError([Problem("tp_plan", f"is {tp_plan!r} with tp={tp_mesh.size()}", "map each "
+                                           f"module to split to one of {', '.join(styles)}")])
+        plan = {key: styles[style] for key, style in tp_plan.items()}
+    shard = sharder(data, dtype)
+    for i, layer in enumerate(layers):
+        if plan is not None:
+            apply_tp(layer, tp_mesh, plan)
+        layers[i] = wrap(layer) if wrap is not None else layer
+    if plan is not None:
+        split_sequence(list(layers), tp_mesh)
+    if shard is not None:
+        for layer in layers:
+            shard(layer)
+        shard(model)
+    return model

@@ -214,6 +214,8 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
             _materialize(model, list(layer.modules()), device, seed, i + 1)
             P.parallelize_unit(layer, tp_mesh, plan, shard)
         _materialize(model, rest, device, seed, 0)
+    if tp_mesh is not None:
+        P.split_sequence(layers, tp_mesh)
     P.parallelize_unit(model, None, None, shard)
     if weights is not None:
         _weights.load_weights(model, weights, tensors)
@@ -325,6 +327,8 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
     plan = P.layer_plan(model) if tp_mesh is not None else None
     for layer in decoder_layers(model):
         P.parallelize_unit(layer, tp_mesh, plan, shard)
+    if tp_mesh is not None:
+        P.split_sequence(decoder_layers(model), tp_mesh)
     P.parallelize_unit(model, None, None, shard)
     return model
 

@@ -1,4 +1,6 @@
-"""End to end, as a user runs it: a real search on 2 CPU ranks, its recipe, training from it, the example."""
+"""End to end, as a user runs it: a real search on 2 CPU ranks, its recipe, training from it, the example (on 4
+ranks: tp2·cp2 from a recipe, the model split by its TP plan with sequence parallelism, compiled, checkpointed and
+sharded by cptune.parallelize)."""
 
 import json
 import re
@@ -9,6 +11,8 @@ from pathlib import Path
 import pytest
 
 import cptune
+from cptune._env import environment
+from cptune.recipe import Launch, Metrics, Provenance, Recipe, save_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,13 +52,26 @@ def test_canonical_example_under_torchrun():
     assert len(errors) == 4 and max(errors) < 1e-5
 
 
-@pytest.mark.parametrize("nproc,documents", [(4, "longtail")])  # unpacked, 2 ranks: tests/test_training.py
-def test_example_with_compile_selective_ac_and_fsdp_matches_one_process(tmp_path, nproc, documents):
+def test_example_tp_cp_with_compile_selective_ac_and_fsdp_matches_one_process(tmp_path, monkeypatch):
+    """Packed long-tailed documents; dp x cp alone, unpacked, on 2 ranks: tests/test_training.py."""
     script = str(ROOT / "examples/train_llama_cp.py")
-    common = ["--seq-len", "256", "--steps", "2", *(["--documents", documents] if documents else [])]
+    workload = cptune.Workload(seq_len=256, heads=4, kv_heads=2, head_dim=16, documents="longtail",
+                               step="examples.train_llama_cp:search_step")
+    save_recipe(Recipe(workload=workload, config=cptune.CPConfig(mesh_shape=(1, 1, 2, 2), rotate_method="alltoall"),
+                       launch=Launch(nproc_per_node=4, script="examples/train_llama_cp.py"),
+                       provenance=Provenance(**environment("cpu", 4).provenance()), metrics=Metrics(measured=False)),
+                tmp_path / "r.yaml")
+    common = ["--seq-len", "256", "--batch", "2", "--steps", "2", "--documents", "longtail"]
     run([sys.executable, script, *common, "--losses-out", "one.json"], tmp_path)
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, *common,
-         "--compile", "--ac", "selective", "--fsdp", "--losses-out", "cp.json"], tmp_path, timeout=600)
-    cp, one = json.loads((tmp_path / "cp.json").read_text()), json.loads((tmp_path / "one.json").read_text())
-    assert cp["world"] == nproc and cp["cp"] == nproc and cp["compile"] and cp["fsdp"] and cp["ac"] == "selective"
-    assert max(abs(a - b) for a, b in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
+    run([sys.executable, "-m", "cptune", "launch", "r.yaml", "--", script, *common, "--compile", "--ac", "selective",
+         "--fsdp", "--losses-out", "tp.json"], tmp_path, timeout=600)
+    tp, one = json.loads((tmp_path / "tp.json").read_text()), json.loads((tmp_path / "one.json").read_text())
+    assert (tp["world"], tp["cp"], tp["tp"]) == (4, 2, 2) and tp["compile"] and tp["fsdp"] and tp["ac"] == "selective"
+    assert max(abs(a - b) for a, b in zip(tp["losses"], one["losses"])) <= 1e-5, (tp, one)
+    # without FSDP2 there is nothing to hold the tensor-parallel shards: said by name before any rank starts
+    from cptune.examples import train_llama_cp
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(cptune.ValidationError, match=r"fsdp: is off with dp1·cp2·tp2.*Fix: add --fsdp"):
+        train_llama_cp.checked(recipe_path=str(tmp_path / "r.yaml"), seq_len=None, batch=None, compile_=None, ac=None,
+                               documents=None, fsdp=False)

@@ -1,14 +1,16 @@
 """A model bigger than a rank (``benchmarks/scale.py``'s, run here as a test): on 4 CPU ranks its float32
 parameters, gradients and AdamW states are 3x one rank's budget; built sharded, each rank's build peak is within
-1.25 x its shard plus the largest unit; ``cptune search --model`` measures it within the budget and
-``examples/train_hf.py`` trains it from the recipe.
+1.25 x its shard plus the largest unit; ``cptune search --model`` trains it within the budget (its trial's step is a
+forward, a backward and an AdamW step of the sharded model, measured on every rank). ``python -m benchmarks.scale``
+also trains it with ``examples/train_hf.py`` from the search's recipe (76 s more here: the suite launches that script
+from a model search's recipe in tests/test_train_hf.py).
 
 The model is as small as the claim allows: a rank's quarter of the states is three quarters of the budget, so the
 last quarter (0.72GiB of 2.89GiB) holds all that is not sharded: the interpreter with torch and transformers
 (0.31GiB before any trial), gathered layers, the root and the step's activations (0.55GiB in all, measured).
 180 layers at 8 tokens a sequence leave 6 %; 160 left 4 %; 240 at 32 tokens (the benchmark's default) took twice
-the time. One trial, one step: what a rank holds is the same at every step after the first, which the trial's
-warm-up step already ran."""
+the time. One trial: what a rank holds is the same at every step after the first, which the trial's warm-up step
+already ran."""
 
 import math
 
@@ -22,7 +24,7 @@ RANKS, LAYERS, TOKENS = 4, 180, 8
 
 
 @pytest.mark.slow  # minutes: CI's transformers floor lane leaves it out (.ci/transformers-floor)
-def test_a_model_three_times_a_ranks_budget_is_built_sharded_searched_and_trained(tmp_path):
+def test_a_model_three_times_a_ranks_budget_is_built_sharded_and_trained_by_the_search(tmp_path):
     model = scale.write_model(tmp_path / "model", LAYERS)
     n = scale.sizes(scale.model_config(LAYERS))
     states = 16 * n["params"]
@@ -36,8 +38,7 @@ def test_a_model_three_times_a_ranks_budget_is_built_sharded_searched_and_traine
         assert r["rise"] <= scale.BOUND * (r["shard"] + largest), (r, largest)
     # feasible: the worst rank's measured peak within the budget itself (--memory-margin 0); the one trial is the
     # plan's first proposal, dp4·cp1 (2.72GiB of 2.89GiB, 6 % headroom, on this machine)
-    found = scale.search_and_train(model, RANKS, budget, tmp_path, trials=1, steps=1, margin=0.0, seq_len=TOKENS)
+    found = scale.search_and_train(model, RANKS, budget, tmp_path, trials=1, steps=0, margin=0.0, seq_len=TOKENS)
     assert len(found["search_peak_per_rank"]) == RANKS
     assert max(found["search_peak_per_rank"]) <= budget, found["search_table"]
-    assert len(found["losses"]) == 1 and all(math.isfinite(x) for x in found["losses"])
-    assert len(found["train_peak_per_rank"]) == RANKS
+    assert math.isfinite(found["search_tokens_per_s"]) and found["search_tokens_per_s"] > 0, found["search_table"]

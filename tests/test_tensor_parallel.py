@@ -1,8 +1,9 @@
 """transformers models built for the whole mesh: each decoder layer split by the model's own TP plan, then sharded by
-FSDP2 over cp, on 4 real ranks (tp2·cp2). A bf16 checkpoint in several files loads straight into the shards, each
-rank holding a quarter of every split weight; logits and every parameter gradient under the CP block equal one
-process's, eager and under activation checkpointing and compile; the export is what from_pretrained loads. Models
-whose plan cptune does not apply, and a tp the heads cannot take, are refused by name before anything is built."""
+FSDP2 over dp_shard x cp, on 4 real ranks (tp2·cp2, dp2·tp2, tp4). A bf16 checkpoint in several files loads straight
+into the shards, each rank holding its share of every split weight; logits and every parameter gradient under the CP
+block equal one process's, eager and under activation checkpointing and compile, with the residual stream split by
+token over tp (sequence parallelism); the export is what from_pretrained loads. Models whose plan cptune does not apply, and a tp the heads cannot take, are refused by name before anything
+is built."""
 
 import re
 
@@ -17,7 +18,7 @@ from tests.test_build import _config, _save
 
 transformers = pytest.importorskip("transformers")
 
-DIMS = ParallelDims(1, 1, 2, 2)
+TP_CP, DP_TP, TP4 = ParallelDims(1, 1, 2, 2), ParallelDims(1, 2, 1, 2), ParallelDims(1, 1, 1, 4)
 IDS = (torch.arange(64).view(2, 32) * 7) % 256
 
 
@@ -27,9 +28,10 @@ def _loss_and_logits(model, ids, labels, positions):
     return loss, logits
 
 
-def _tp_case(folder, ac="none", compile=False, export=None):
-    """One step of ``folder``'s model under tp2·cp2 against from_pretrained's in one process: logits, gradients,
-    the share of each weight a rank holds, and (``export``) the exported folder against the checkpoint."""
+def _tp_case(folder, dims, ac="none", compile=False, export=None):
+    """One step of ``folder``'s model under ``dims`` against from_pretrained's in one process on the whole batch
+    (each dp replica takes its rows): logits, gradients, the share of each weight a rank holds, and (``export``)
+    the exported folder against the checkpoint."""
     config = models.load_config(folder)
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                   attn_implementation="sdpa")
@@ -37,10 +39,15 @@ def _tp_case(folder, ac="none", compile=False, export=None):
     positions = torch.arange(32).expand(2, 32).contiguous()
     want_loss, want_logits = _loss_and_logits(reference, ids, labels, positions)
     (want_loss / (labels != -100).sum()).backward()
-    model = models.build_model(config, "cpu", weights=folder, fsdp_mesh=DIMS.model_mesh("cpu"), ac=ac,
+    model = models.build_model(config, "cpu", weights=folder, fsdp_mesh=dims.model_mesh("cpu"), ac=ac,
                                compile=compile)
-    with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1],
-                                 config=cptune.CPConfig(mesh_shape=DIMS.shape)) as block:
+    stream = []  # the residual stream's tokens between the layers, on this rank
+    model.model.layers[0].register_forward_hook(
+        lambda module, args, out: stream.append((out[0] if isinstance(out, tuple) else out).shape[1]))
+    cp_config = cptune.CPConfig(mesh_shape=dims.shape)
+    rows = cptune.replica_rows(len(ids), config=cp_config)
+    ids, labels, positions, want_logits = ids[rows], labels[rows], positions[rows], want_logits[rows]
+    with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=cp_config) as block:
         loss, logits = _loss_and_logits(model, ids, labels, positions)
         (loss / block.num_items_in_batch(labels)).backward()
         logits = block.unshard(logits.detach(), 1)
@@ -49,7 +56,7 @@ def _tp_case(folder, ac="none", compile=False, export=None):
     for name, p in model.named_parameters():
         grads = max(grads, (p.grad.full_tensor() - want[name].grad).abs().max().item())
         shares[name] = p.to_local().numel() / p.numel()
-    out = {"logits": (logits - want_logits).abs().max().item(), "grads": grads, "shares": shares}
+    out = {"logits": (logits - want_logits).abs().max().item(), "grads": grads, "shares": shares, "stream": stream}
     if export is not None:
         models.export_model(model, export)
         dist.barrier()
@@ -66,21 +73,32 @@ def _plan_split(name: str, config) -> bool:
 
 
 def test_a_checkpoint_loads_into_tp_and_fsdp_shards_and_trains_exactly(ranks, tmp_path):
-    """Llama (colwise / rowwise) from a bf16 checkpoint in several files, with its export; Phi3 (fused q/k/v and
-    gate/up: gathered output, split input); Llama again under selective AC, compiled where this transformers can
-    compile it with AC."""
+    """tp2·cp2: Llama (colwise / rowwise) from a bf16 checkpoint in several files, with its export; Phi3 (fused
+    q/k/v and gate/up: gathered output, split input); Llama again under selective AC, compiled where this
+    transformers can compile it with AC. dp2·tp2 under selective AC (compiled likewise); tp4 (a Llama with 4
+    key/value heads) under full AC."""
+    kv4 = _config("llama", False)
+    kv4.num_key_value_heads = 4
     folders = {f: str(_save(_config(f, False), tmp_path / f)) for f in ("llama", "phi3")}
+    folders["llama-kv4"] = str(_save(kv4, tmp_path / "llama-kv4"))
     assert len(list((tmp_path / "llama").glob("*.safetensors"))) >= 3
-    cases = [("llama", "none", False, str(tmp_path / "export")), ("phi3", "none", False, None),
-             ("llama", "selective", not models.training_problems("selective", True), None)]  # compiled where it can
-    results = [ranks(4).run(_tp_case, folders[f], ac, compiled, export) for f, ac, compiled, export in cases]
-    for (family, ac, compiled, export), per_rank in zip(cases, results):
+    compiled = not models.training_problems("selective", True)  # compiled where it can
+    cases = [("llama", TP_CP, "none", False, str(tmp_path / "export")), ("phi3", TP_CP, "none", False, None),
+             ("llama", TP_CP, "selective", compiled, None), ("llama", DP_TP, "selective", compiled, None),
+             ("llama-kv4", TP4, "full", False, None)]
+    group = ranks(4)
+    results = [group.run(_tp_case, folders[f], dims, ac, comp, export) for f, dims, ac, comp, export in cases]
+    for (family, dims, ac, comp, export), per_rank in zip(cases, results):
         config = models.load_config(folders[family])
+        fsdp = dims.dp_shard * dims.cp  # FSDP2's ranks; a tp rank holds 1/tp of a split weight before it
         for r in per_rank:
-            assert r["logits"] <= 1e-5 and r["grads"] <= 1e-5, (family, ac, compiled, r["logits"], r["grads"])
+            assert r["logits"] <= 1e-5 and r["grads"] <= 1e-5, (family, dims, ac, comp, r["logits"], r["grads"])
+            # sequence parallelism: between the layers a rank holds its cp rank's tokens split over tp
+            assert set(r["stream"]) == {IDS.shape[1] // (dims.cp * dims.tp)}, (family, dims, r["stream"])
             split = {n: s for n, s in r["shares"].items() if _plan_split(n, config)}
-            assert split and set(split.values()) == {0.25}, (family, split)  # tp2 x FSDP2 over cp2
-            assert set(r["shares"].values()) - {0.25} == {0.5}, (family, r["shares"])  # norms, embeddings: FSDP2
+            assert split and set(split.values()) == {1 / (dims.tp * fsdp)}, (family, dims, split)
+            whole = set(r["shares"].values()) - {1 / (dims.tp * fsdp)}  # norms, embeddings: FSDP2's share only
+            assert whole == {1 / fsdp}, (family, dims, r["shares"])
             if export:
                 assert r["export"] <= 1e-6, r["export"]
 

@@ -4,14 +4,17 @@
     cptune launch recipes/cpu-2r-s4096-causal.yaml -- --compile --ac selective --fsdp
     CPTUNE_RECIPE=recipes/cpu-2r-s4096-causal.yaml torchrun --standalone --nnodes=1 --nproc-per-node=2 \
         examples/train_llama_cp.py --compile --ac selective --fsdp
+    cptune launch r.yaml "config.mesh_shape=[1,1,2,2]" -- examples/train_llama_cp.py --fsdp   # tp2 x cp2, 4 ranks
 
 The model below is plain PyTorch (RMSNorm, rotary positions, causal SDPA with grouped-query
 attention, SwiGLU) and knows nothing of distribution. ``parallelize`` applies, in
-torchtitan's order: context parallelism (nothing to do to the model: the training step runs
-inside ``cptune.context_parallel``), activation checkpointing per block (``--ac full`` or
-``selective``, which keeps the ring attention's output instead of recomputing it), then
-``torch.compile`` per block (``--compile``), then FSDP2 over the flattened dp x cp mesh
-(``--fsdp``; without it gradients are averaged by hand). Labels are shifted over the whole
+torchtitan's order (``cptune.parallelize``, the step ``cptune.models.build_model`` takes for
+transformers models): context parallelism (nothing to do to the model: the training step runs
+inside ``cptune.context_parallel``), tensor parallelism by ``TP_PLAN`` when the recipe's mesh
+has a tp dim (sequence parallel on the residual stream), activation checkpointing per block
+(``--ac full`` or ``selective``, which keeps the ring attention's output instead of recomputing
+it), then ``torch.compile`` per block (``--compile``), then FSDP2 over dp x cp (``--fsdp``;
+without it gradients are averaged by hand; tensor parallelism needs it). Labels are shifted over the whole
 sequence before sharding (``cptune.shift_labels``) and the loss is normalized over every
 rank's tokens (``cptune.num_items_in_batch``), so with the same seed and global batch every
 step's loss equals the single-process run's (float32: within 1e-5; ``--losses-out`` writes
@@ -39,6 +42,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cptune
+from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import _options as options
 
 
@@ -61,27 +65,47 @@ def rotary(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) 
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-class Block(nn.Module):
+class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.grouped, self.head_dim = kv_heads != heads, dim // heads
         self.wq = nn.Linear(dim, dim, bias=False)
-        self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
-        self.w_gate, self.w_up = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(dim, 4 * dim, bias=False)
-        self.w_down = nn.Linear(4 * dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        h = self.attn_norm(x)
-        q = self.wq(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.wkv(h).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = rotary(q, position_ids), rotary(k, position_ids)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
-        x = x + self.wo(att.transpose(1, 2).reshape(b, s, -1))
-        h = self.mlp_norm(x)
-        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
+        return self.wo(att.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w_gate, self.w_up = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(dim, 4 * dim, bias=False)
+        self.w_down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, heads, kv_heads)
+        self.mlp_norm, self.mlp = RMSNorm(dim), FeedForward(dim)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), position_ids)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+TP_PLAN = {"attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+           "mlp.w_gate": "colwise", "mlp.w_up": "colwise", "mlp.w_down": "rowwise"}
+"""How a block splits over tp ranks (torchtitan's Llama plan): each rank its heads and its share of the MLP."""
 
 
 class Llama(nn.Module):
@@ -110,24 +134,18 @@ def _keep_matmuls_and_ring(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def parallelize(model: Llama, ac: str, compile_blocks: bool, fsdp_mesh=None) -> Llama:
-    """Activation checkpointing, then torch.compile, then FSDP2, per block (torchtitan's order)."""
-    for i, block in enumerate(model.blocks):
+def parallelize(model: Llama, ac: str, compile_blocks: bool, mesh=None) -> Llama:
+    """Tensor parallelism by TP_PLAN (a ``mesh`` with tp), activation checkpointing, torch.compile, then FSDP2 over
+    ``mesh``'s data dims, per block: ``cptune.parallelize``, in torchtitan's order."""
+    def wrap(block: nn.Module) -> nn.Module:
         if ac == "full":
             block = checkpoint_wrapper(block)
         elif ac == "selective":
             block = checkpoint_wrapper(block, context_fn=functools.partial(
                 create_selective_checkpoint_contexts, _keep_matmuls_and_ring))
-        if compile_blocks:
-            block = torch.compile(block)
-        model.blocks[i] = block
-    if fsdp_mesh is not None:
-        from torch.distributed.fsdp import fully_shard
+        return torch.compile(block) if compile_blocks else block
 
-        for block in model.blocks:
-            fully_shard(block, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
-    return model
+    return cptune.parallelize(model, model.blocks, mesh, tp_plan=TP_PLAN, wrap=wrap)
 
 
 def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.device,
@@ -175,14 +193,14 @@ def search_step(workload: cptune.Workload, device: torch.device, layers: int = 2
 @options.losses_out
 @options.compile_
 @options.ac
-@click.option("--fsdp", is_flag=True, help="FSDP2 over the flattened dp x cp mesh.")
+@click.option("--fsdp", is_flag=True, help="FSDP2 over dp x cp (a recipe with tensor parallelism needs it).")
 @options.documents
 def main(**given) -> None:
     train(checked(**given))
     cptune.close_rank()  # after training: its model and meshes dropped, the groups are freed now, not at teardown
 
 
-def checked(recipe_path, seq_len, batch, compile_, ac, documents, **rest) -> SimpleNamespace:
+def checked(recipe_path, seq_len, batch, compile_, ac, documents, fsdp, **rest) -> SimpleNamespace:
     """Every option read and checked together, before any rank starts or a model is built."""
     recipe = options.read_recipe(recipe_path)
     config = recipe.config if recipe else cptune.CPConfig()
@@ -191,10 +209,15 @@ def checked(recipe_path, seq_len, batch, compile_, ac, documents, **rest) -> Sim
     ac = ac or (recipe.workload.ac if recipe else "none")
     documents = documents or (recipe.workload.documents if recipe else None)
     ids = cptune.Workload(seq_len=seq_len, documents=documents).document_ids()  # a spec that does not fit: named
-    dims, batch = options.mesh_and_batch(config, recipe, batch)
-    dp, cp = dims.dp, dims.cp
-    return SimpleNamespace(**rest, recipe=recipe, config=config, seq_len=seq_len, compile=compile_, ac=ac,
-                           documents=documents, document_ids=ids, dp=dp, cp=cp, batch=batch)
+    dims, batch = options.mesh_and_batch(config, recipe, batch, tp=True)
+    block = Llama().blocks[0]
+    raise_if(dims.model_problems(heads=4, kv_heads=2, intermediate=block.mlp.w_up.out_features,
+                                 argument="config.mesh_shape"))
+    if not dims.is_dp_cp and not fsdp:
+        raise ValidationError([Problem("fsdp", f"is off with {dims.label()}: tensor parallelism and HSDP train the "
+                                       "model as FSDP2 shards it", "add --fsdp, or use a (dp, cp) recipe")])
+    return SimpleNamespace(**rest, recipe=recipe, config=config, seq_len=seq_len, compile=compile_, ac=ac, fsdp=fsdp,
+                           documents=documents, document_ids=ids, dims=dims, dp=dims.dp, cp=dims.cp, batch=batch)
 
 
 def train(args: SimpleNamespace) -> None:
@@ -204,19 +227,17 @@ def train(args: SimpleNamespace) -> None:
         args.document_ids
     rows = cptune.replica_rows(args.batch, config=config)  # this replica's share of the global batch
 
-    mesh = fsdp_mesh = None
+    mesh = model_mesh = None
     if distributed:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))
+        mesh = args.dims.device_mesh(device.type)  # ('dp', 'cp'), or the four named dims with tp or HSDP
         if args.fsdp:
-            fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))  # every dp x cp rank
+            model_mesh = args.dims.model_mesh(device.type)  # tp, and FSDP2 over every dp x cp rank
     torch.manual_seed(0)  # the same initial weights everywhere
-    model = parallelize(Llama().to(device), args.ac, args.compile, fsdp_mesh)
+    model = parallelize(Llama().to(device), args.ac, args.compile, model_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     @cptune.context_parallel(seq_dims={"input_ids": 1, "labels": 1, "position_ids": 1}, recipe=recipe,
-                             mesh=mesh if cp > 1 else None, documents="documents")
+                             mesh=mesh if cp > 1 or not args.dims.is_dp_cp else None, documents="documents")
     def train_step(input_ids, labels, position_ids, documents=None):
         loss = loss_fn(model, input_ids, labels, position_ids)
         loss.backward()  # inside the CP step: checkpointed blocks recompute with the ring
@@ -240,10 +261,11 @@ def train(args: SimpleNamespace) -> None:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
     if rank == 0:
         extras = f"compile={args.compile} ac={args.ac} fsdp={args.fsdp} documents={args.documents}"
-        print(f"world {world} (dp {dp} x cp {cp}), seq_len {seq_len}, config: {config.label()}, {extras}")
+        print(f"world {world} ({args.dims.label()}), seq_len {seq_len}, config: {config.label()}, {extras}")
         if args.losses_out:
             with open(args.losses_out, "w") as f:
-                json.dump({"losses": losses, "world": world, "dp": dp, "cp": cp, "config": config.label(),
+                json.dump({"losses": losses, "world": world, "dp": dp, "cp": cp, "tp": args.dims.tp,
+                           "config": config.label(),
                            "compile": args.compile, "ac": args.ac, "fsdp": args.fsdp}, f)
 
 

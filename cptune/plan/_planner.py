@@ -73,8 +73,8 @@ class Plan:
         return (f"The closest, {close.point.label()}, needs {format_size(close.peak_bytes)} per GPU against "
                 f"{format_size(self.budget)} ({', '.join(f'{k} {format_size(v)}' for v, k in parts)}). {more}It "
                 "would take more GPUs, a shorter --seq-len or a larger --memory-budget; or what cptune does not "
-                "plan: sequence parallelism over tp (the residual stream and norms sharded), a vocabulary-parallel "
-                "loss (the logits sharded), or pipeline parallelism (the layers split into stages)")
+                "plan: a vocabulary-parallel or chunked loss (the logits sharded, or never whole), activation "
+                "offloading, or pipeline parallelism (the layers split into stages)")
 
     def header(self) -> str:
         nodes = max(1, self.gpus // self.gpus_per_node)

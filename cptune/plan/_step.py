@@ -198,8 +198,10 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     e, b, s = w.itemsize, w.batch, w.seq_len
     tokens = b * s // cp  # this rank's tokens (before Ulysses' exchange); the same on each of its tp ranks
     # tensor parallelism splits what is between a layer's column- and row-parallel matmuls: heads, K/V and the
-    # MLP's width; the residual stream, its norms, the embeddings and the LM head stay whole on every tp rank
+    # MLP's width; sequence parallelism splits the residual stream and its norms by token over tp (each block's
+    # input gathered whole, kept by its column-parallel matmuls); the embeddings and the LM head stay whole
     h, hq, kv, f, L = dims.hidden, dims.q_width // tp, dims.kv_width // tp, dims.ffn // tp, dims.layers
+    gathered_in = 2 * h if tp > 1 else 0  # per token: the attention's and the MLP's whole inputs
     kv_heads = dims.attended_kv_heads // tp
     heads = dims.heads // tp
     rep = kv_replication(heads, kv_heads, ulysses) if ulysses > 1 else 1
@@ -220,7 +222,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     dense_fwd = 2 * tokens * (L * matmul + (h * dims.vocab if dims.vocab and not dims.attention_only else 0))
     pairs = busiest_pairs(w, ring, lb) * b
     attn_fwd = 4 * dims.head_dim * (heads / ulysses) * pairs * L
-    per_token = 3 * hq if dims.attention_only else 8 * h + 6 * (dims.hidden // tp) + 6 * f
+    per_token = 3 * hq if dims.attention_only else 8 * h / tp + gathered_in + 6 * (dims.hidden // tp) + 6 * f
     expanded = 2 * hq if dims.kv_expanded else 0  # repeat_kv writes query-wide K and V (and autograd keeps them)
     per_token += expanded
     elem_fwd = tokens * L * per_token * e + (tokens * dims.vocab * 12 if not dims.attention_only else 0)
@@ -256,9 +258,10 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
             exposed += max(0.0, ring_t - hidden_by)
         else:
             exposed += ring_t
-    if tp > 1:  # two all-reduces of the residual stream a layer pass (after the row-parallel matmuls), exposed
+    if tp > 1:  # a layer pass: the blocks' all-gathers and reduce-scatters (an all-reduce's bytes each pair), exposed
         one = links.seconds(2 * tokens * h * e * (tp - 1) / tp, 2 * (tp - 1), tp)
-        comm["tp"] = L * (2 + 2 + (2 if point.ac == "full" else 0)) * one  # forward, backward, full AC's recompute
+        # forward, backward, then the recompute: full AC's whole forward, selective's two all-gathers
+        comm["tp"] = L * (2 + 2 + {"none": 0, "selective": 1, "full": 2}[point.ac]) * one
         exposed += comm["tp"]
     if ulysses > 1:
         one = links.seconds(tokens * exchanged * (ulysses - 1) / ulysses, 4 * (ulysses - 1), ulysses * tp)
@@ -294,11 +297,13 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         full_layer = kept_attention_layer(hq * e, ring, exchanged)
         kept = {"none": full_layer, "selective": full_layer, "full": hq * e}[point.ac]
     else:
-        # what autograd keeps of a Llama-style block: two norms (input, normalized, output: 3h each), q and k
-        # before and after rotary, v, the attention's output and its transposed copy, four MLP tensors
-        full_layer = (6 * h + 4 * hq + 3 * kv + expanded + 4 * f) * e + lse + ring_extra + exchanged
-        kept = {"none": full_layer, "selective": (3 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + exchanged,
-                "full": h * e}[point.ac]
+        # what autograd keeps of a Llama-style block: two norms (input, normalized, output: 3h each; split by
+        # token under sequence parallelism, where the blocks' gathered inputs are kept whole), q and k before and
+        # after rotary, v, the attention's output and its transposed copy, four MLP tensors; selective keeps the
+        # layer's input and the two row-parallel matmuls' outputs (whole, before their reduce-scatter)
+        full_layer = (6 * h / tp + gathered_in + 4 * hq + 3 * kv + expanded + 4 * f) * e + lse + ring_extra + exchanged
+        selective = (h / tp + 2 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + exchanged
+        kept = {"none": full_layer, "selective": selective, "full": h * e / tp}[point.ac]
     # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
     # layer's recomputed activations too
     activations = tokens * (L * kept + full_layer + (full_layer if point.ac != "none" else 0))
@@ -323,6 +328,6 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         pred.bottleneck = f"exposed communication ({exposed / step:.0%} of the step)"
     else:
         pred.bottleneck = "compute" + (f" ({exposed / step:.0%} exposed communication)" if exposed > 0.01 * step else "")
-    if tp > 1:  # why a tp row wins or loses: its all-reduces against what it saves
-        pred.bottleneck += f"; tp{tp}: all-reduces {comm['tp'] / step:.0%} of the step, matmuls {tp}x narrower"
+    if tp > 1:  # why a tp row wins or loses: its collectives against what it saves
+        pred.bottleneck += f"; tp{tp}: gathers and reduce-scatters {comm['tp'] / step:.0%} of the step, matmuls {tp}x narrower"
     return pred
