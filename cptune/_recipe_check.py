@@ -68,6 +68,7 @@ def check_recipe(recipe: Recipe, world_size: int | None = None) -> list[Problem]
     ulysses, ring = recipe.config.degrees(cp)
     problems += dims.model_problems(heads=w.heads, kv_heads=w.kv_heads or w.heads, ulysses=ulysses,
                                     argument="config.mesh_shape")
+    problems += dims.sequence_problems(w.seq_len, "workload.seq_len")
     for backend in recipe.config.sdpa_backend or ():
         why = backend_problem(prov.device_type, backend, recipe.workload.torch_dtype, ring=ring > 1)
         if why and (prov.device_type == "cpu" or torch.cuda.is_available()):

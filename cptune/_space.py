@@ -86,7 +86,8 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None
     balance = decide_load_balance(config.load_balance, causal=workload.causal, cp=cp, ring=ring, seq_len=s)
     if balance.problems:
         return balance.problems[0].message
-    heads = dims.model_problems(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads, ulysses=ulysses)
+    heads = dims.model_problems(heads=workload.heads, kv_heads=workload.kv_heads or workload.heads,
+                                ulysses=ulysses) + dims.sequence_problems(s)
     if heads:
         return heads[0].message
     if device_type is None:  # a plan for a cluster not at hand: kernels are not checked here

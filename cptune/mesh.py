@@ -128,6 +128,15 @@ class ParallelDims:
                                     "use a Ulysses degree that divides the heads of one tp rank, or the ring"))
         return problems
 
+    def sequence_problems(self, seq_len: int, argument: str = "seq_len") -> list[Problem]:
+        """Why ``seq_len`` tokens cannot split over this mesh with tp: sequence parallelism splits each cp rank's
+        tokens over the tp ranks, so cp x tp must divide them."""
+        if self.tp > 1 and seq_len % (self.cp * self.tp):
+            return [Problem(argument, f"{seq_len} tokens do not split over cp={self.cp} x tp={self.tp} ranks "
+                            "(sequence parallelism splits each cp rank's tokens over tp)",
+                            f"use a sequence length divisible by {self.cp * self.tp}")]
+        return []
+
     def node_warning(self, ranks_per_node: int | None) -> str | None:
         """What to say when tp crosses nodes (allowed, and priced by the plan; slow: every layer reduces over it)."""
         if ranks_per_node is None or ranks_per_node % self.tp == 0:

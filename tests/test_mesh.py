@@ -11,7 +11,8 @@ import cptune
 from cptune.attention import _documents
 from cptune.errors import ValidationError
 from cptune.mesh import ParallelDims
-from cptune.recipe import load_recipe
+from cptune._env import environment
+from cptune.recipe import Launch, Metrics, Provenance, load_recipe
 from tests._helpers import max_err
 from tests.test_numerics import FP32_TOL
 
@@ -217,3 +218,31 @@ def test_the_trainer_refuses_a_tp_configuration_by_name_before_it_builds_anythin
         assert said == ("cptune: config.mesh_shape: is dp1·cp2·tp2: cptune.hf.Trainer splits no model by tensor "
                         "parallelism; it runs (dp, cp) meshes only. Fix: give a (dp, cp) mesh (dp_replicate and tp 1)")
 
+
+
+def test_a_sequence_tp_cannot_split_is_named_before_any_rank_starts(tmp_path, monkeypatch):
+    """Sequence parallelism splits each cp rank's tokens over tp: cp x tp must divide the sequence, said by name by
+    the mesh, the search's space, a recipe's check and the scripts (a rank would otherwise meet it mid-forward)."""
+    from cptune._space import invalid_reason
+    from cptune.examples import train_llama_cp
+
+    dims = ParallelDims(1, 1, 2, 2)
+    assert dims.sequence_problems(256) == [] and ParallelDims(1, 2, 2, 1).sequence_problems(6) == []
+    (problem,) = dims.sequence_problems(6)
+    assert str(problem) == ("seq_len: 6 tokens do not split over cp=2 x tp=2 ranks (sequence parallelism "
+                            "splits each cp rank's tokens over tp). Fix: use a sequence length divisible by 4")
+    config = cptune.CPConfig(mesh_shape=(1, 1, 2, 2), load_balance=False)
+    assert "do not split over cp=2 x tp=2" in invalid_reason(cptune.Workload(seq_len=6, heads=4), config, None)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    recipe = tmp_path / "r.yaml"
+    cptune.save_recipe(cptune.Recipe(workload=cptune.Workload(seq_len=256, heads=4, kv_heads=2, head_dim=16),
+                                     config=config, launch=Launch(nproc_per_node=4),
+                                     provenance=Provenance(**environment("cpu", 4).provenance()),
+                                     metrics=Metrics(measured=False)), recipe)
+    from cptune._recipe_check import check_recipe
+
+    short = load_recipe(recipe).model_copy(update={"workload": cptune.Workload(seq_len=6, heads=4, kv_heads=2)})
+    assert [p.argument for p in check_recipe(short)] == ["workload.seq_len"], check_recipe(short)
+    with pytest.raises(cptune.ValidationError, match=r"seq_len: 6 tokens do not split over cp=2 x tp=2"):
+        train_llama_cp.checked(recipe_path=str(recipe), seq_len=6, batch=None, compile_=None, ac=None,
+                               documents=None, fsdp=True)

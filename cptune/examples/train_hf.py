@@ -223,7 +223,7 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     compile_ = w.compile if compile_ is None else compile_
     spec = documents or w.documents
     cptune.Workload(seq_len=seq_len, documents=spec)  # a documents spec that does not fit the length: named
-    raise_if(models.training_problems(ac, compile_))
+    raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_))
     options.check_checkpointing(checkpoint_dir, resume, save_every)
     if eos_id is not None and not (data or "").endswith(".npy"):
         raise ValidationError([Problem("eos_id", "is read only from a 1-D .npy --data", "drop --eos-id, or give "

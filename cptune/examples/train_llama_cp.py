@@ -212,7 +212,7 @@ def checked(recipe_path, seq_len, batch, compile_, ac, documents, fsdp, **rest) 
     dims, batch = options.mesh_and_batch(config, recipe, batch, tp=True)
     block = Llama().blocks[0]
     raise_if(dims.model_problems(heads=4, kv_heads=2, intermediate=block.mlp.w_up.out_features,
-                                 argument="config.mesh_shape"))
+                                 argument="config.mesh_shape") + dims.sequence_problems(seq_len))
     if not dims.is_dp_cp and not fsdp:
         raise ValidationError([Problem("fsdp", f"is off with {dims.label()}: tensor parallelism and HSDP train the "
                                        "model as FSDP2 shards it", "add --fsdp, or use a (dp, cp) recipe")])
