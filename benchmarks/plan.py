@@ -227,7 +227,8 @@ def nemo() -> dict:
             pred = P.predict(dims, P.plan_workload(dims, s), P.Point(config, "none"), hw, 8, gemm_dtype="float8")
         preds.append(pred)
         rows.append({"config": f"TP {tp}, PP {pp}, DP {dp}, CP {cp}, S={k}K, {gpus} GPUs", "tp": tp, "cp": cp,
-                     "published_tflops": tflops, "published": published, "calibration": tp == 1 and pp == 1})
+                     "seq_len": s, "published_tflops": tflops, "published": published,
+                     "calibration": tp == 1 and pp == 1})
     first = next(i for i, r in enumerate(rows) if r["calibration"])
     p0 = preds[first]
     cal = P.calibrate([p0], [p0.step_s * p0.tokens_per_s_per_gpu / rows[first]["published"]])
@@ -237,8 +238,7 @@ def nemo() -> dict:
             continue
         c = cal.apply(p)
         r.update(predicted=c.tokens_per_s_per_gpu, error=c.tokens_per_s_per_gpu / r["published"] - 1,
-                 predicted_tflops=c.tokens_per_s_per_gpu * nemo_flops_per_token(NEMO["model"], int(
-                     r["config"].split("S=")[1].split("K")[0]) * 1024) / 1e12,
+                 predicted_tflops=c.tokens_per_s_per_gpu * nemo_flops_per_token(NEMO["model"], r["seq_len"]) / 1e12,
                  predicted_bottleneck=c.bottleneck)
     errors = [abs(r["error"]) for r in rows if r["error"] is not None and not r["calibration"]]
     return {"source": NEMO["source"], "url": NEMO["url"], "calibrated_on": rows[first]["config"],

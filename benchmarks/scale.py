@@ -120,8 +120,8 @@ def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: i
 
     recipe = cptune.load_recipe(work / "scale.yaml")
     searched = {"search_command": " ".join(cmd[1:]), "search_s": search_s, "best": recipe.config.label(),
-              "search_peak_per_rank": recipe.metrics.peak_bytes_per_rank, "search_table": found.stdout,
-              "search_tokens_per_s": recipe.metrics.tokens_per_s}
+                "search_peak_per_rank": recipe.metrics.peak_bytes_per_rank, "search_table": found.stdout,
+                "search_tokens_per_s": recipe.metrics.tokens_per_s}
     if not steps:
         return searched
     train = [sys.executable, "-m", "cptune", "launch", str(work / "scale.yaml"), "--", str(ROOT / "examples/train_hf.py"),

@@ -28,6 +28,12 @@ def tp_styles() -> dict[str, Any]:
             "rowwise_split_input": split, "rowwise_rep": split}
 
 
+def unapplied_styles(plan: dict[str, str]) -> list[str]:
+    """The entries of a TP plan (module -> style name) whose style cptune does not apply, as 'module: style'."""
+    styles = tp_styles()
+    return sorted({f"{key}: {style}" for key, style in plan.items() if style not in styles})
+
+
 def layer_plan(model: nn.Module) -> dict[str, Any]:
     """The model's TP plan for one decoder layer: its own entries under ``layers.*.``, as torch styles."""
     styles = tp_styles()
@@ -96,6 +102,14 @@ def sequence_parallel(layer: nn.Module, plan: dict[str, Any]) -> tuple[dict[str,
     return out, blocks
 
 
+def _map_hidden(args: tuple, kwargs: dict, fn: Callable[[Any], Any]) -> tuple[tuple, dict]:
+    """A forward pre-hook's (args, kwargs) with ``fn`` applied to the hidden states: the first positional argument,
+    or the ``hidden_states`` keyword (transformers passes them either way)."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+
 def _placed(x: torch.Tensor, mesh: Any, source: Any, target: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
@@ -111,9 +125,7 @@ def gather_block_inputs(layer: nn.Module, blocks: list[str], tp_mesh: Any) -> No
     from torch.distributed.tensor import Replicate, Shard
 
     def gather(module, args, kwargs):
-        if args:
-            return (_placed(args[0], tp_mesh, Shard(1), Replicate()), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": _placed(kwargs["hidden_states"], tp_mesh, Shard(1), Replicate())}
+        return _map_hidden(args, kwargs, lambda x: _placed(x, tp_mesh, Shard(1), Replicate()))
 
     for name in blocks:
         layer.get_submodule(name).register_forward_pre_hook(gather, with_kwargs=True)
@@ -127,14 +139,15 @@ def split_sequence(layers: list[nn.Module], tp_mesh: Any) -> None:
 
     tp = tp_mesh.size()
 
-    def split(module, args, kwargs):
-        x = args[0] if args else kwargs["hidden_states"]
-        if x.shape[1] % tp:
+    def share(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] % tp:  # the scripts and the search say it before any rank starts (sequence_problems)
             raise ValidationError([Problem("seq_len", f"each CP rank's {x.shape[1]} tokens do not split over "
                                            f"tp={tp} ranks (sequence parallelism)", "use a sequence length "
-                                           "divisible by cp x tp (2 x cp x tp with load balancing)")])
-        x = _placed(x, tp_mesh, Replicate(), Shard(1)).to_local()
-        return ((x, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": x})
+                                           "divisible by cp x tp")])
+        return _placed(x, tp_mesh, Replicate(), Shard(1)).to_local()
+
+    def split(module, args, kwargs):
+        return _map_hidden(args, kwargs, share)
 
     def gather(module, args, output):
         first = output[0] if isinstance(output, tuple) else output
@@ -157,11 +170,32 @@ def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> None:
 
 def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None, shard: Any) -> None:
     """One decoder layer (or the root, ``plan`` None): split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`), then
-    sharded by ``shard`` (:func:`sharder`; None: not sharded)."""
+    sharded by ``shard`` (:func:`sharder`; None: not sharded). ``build_model`` takes it a layer at a time, each
+    made just before; :func:`parallelize_layers` is the same for layers already made."""
     if plan is not None and tp_mesh is not None:
         apply_tp(unit, tp_mesh, plan)
     if shard is not None:
         shard(unit)
+
+
+def parallelize_layers(model: nn.Module, layers: list[nn.Module] | nn.ModuleList, tp_mesh: Any,
+                       plan: dict[str, Any] | None, shard: Any, wrap: Callable[[nn.Module], nn.Module] | None = None
+                       ) -> None:
+    """Each of ``layers`` split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`; neither: not split), then replaced in
+    ``layers`` by ``wrap(layer)`` (AC, compile), then sharded by ``shard`` (:func:`sharder`; None: not sharded); with
+    tp the residual stream split between the first and the last (:func:`split_sequence`); the root sharded last."""
+    split = plan is not None and tp_mesh is not None
+    for i, layer in enumerate(layers):
+        if split:
+            apply_tp(layer, tp_mesh, plan)
+        if wrap is not None:
+            layers[i] = wrap(layer)
+    if split:
+        split_sequence(list(layers), tp_mesh)
+    if shard is not None:
+        for layer in layers:
+            shard(layer)
+        shard(model)
 
 
 def parallelize(model: nn.Module, layers: nn.ModuleList, mesh: Any = None, tp_plan: dict[str, str] | None = None,
@@ -176,20 +210,9 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, mesh: Any = None, tp_pl
     plan = None
     if tp_mesh is not None:
         styles = tp_styles()
-        odd = sorted(f"{k}: {v}" for k, v in (tp_plan or {}).items() if v not in styles)
-        if not tp_plan or odd:
+        if not tp_plan or unapplied_styles(tp_plan):
             raise ValidationError([Problem("tp_plan", f"is {tp_plan!r} with tp={tp_mesh.size()}", "map each "
                                            f"module to split to one of {', '.join(styles)}")])
         plan = {key: styles[style] for key, style in tp_plan.items()}
-    shard = sharder(data, dtype)
-    for i, layer in enumerate(layers):
-        if plan is not None:
-            apply_tp(layer, tp_mesh, plan)
-        layers[i] = wrap(layer) if wrap is not None else layer
-    if plan is not None:
-        split_sequence(list(layers), tp_mesh)
-    if shard is not None:
-        for layer in layers:
-            shard(layer)
-        shard(model)
+    parallelize_layers(model, layers, tp_mesh, plan, sharder(data, dtype), wrap)
     return model

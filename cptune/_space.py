@@ -23,6 +23,13 @@ def mesh_shapes(world_size: int) -> list[tuple[int, int]]:
     return [(world_size // cp, cp) for cp in range(world_size, 0, -1) if world_size % cp == 0]
 
 
+def tp_degrees(world_size: int, per_node: int, max_tp: int | None = None) -> tuple[int, ...]:
+    """The tensor-parallel degrees of ``world_size`` ranks, ``per_node`` a node (tp stays inside a node): the divisors
+    of a node's ranks that divide the world, up to ``max_tp`` (None: a node's)."""
+    node = min(world_size, per_node)
+    return tuple(t for t in range(1, node + 1) if node % t == 0 and world_size % t == 0 and t <= (max_tp or node))
+
+
 def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
            ) -> list[tuple[int, ...]]:
     """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees`` and a dp_replicate among ``replicas``: (dp,

@@ -38,7 +38,7 @@ from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ._hf import enable
 from ._files import read_json_object
 from .errors import Problem, ValidationError, raise_if
-from .mesh import MODEL_DIMS, ParallelDims
+from .mesh import ParallelDims
 from .workload import AC_MODES, Workload
 
 INSTALL = "pip install 'cptune[hf]' (transformers)"
@@ -161,10 +161,9 @@ def tp_problems(config, tp: int, argument: str = "mesh.tp", model: nn.Module | N
     if not plan:
         return [Problem(argument, f"is {tp} but {type(text).__name__} has no tensor-parallel plan "
                         "(base_model_tp_plan)", "use tp=1 for this model, or a model whose config has one")]
-    known = P.tp_styles()
-    odd = sorted({f"{key}: {style}" for key, style in plan.items() if style not in known})
+    odd = P.unapplied_styles(plan)
     problems = [Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan has styles cptune does not apply "
-                        f"({'; '.join(odd)})", f"use tp=1 for this model (cptune applies {', '.join(known)})")
+                        f"({'; '.join(odd)})", f"use tp=1 for this model (cptune applies {', '.join(P.tp_styles())})")
                 ] if odd else []
     keys = [key.split("layers.*.", 1)[1] for key in plan if key.startswith("layers.*.")]
     whole = P.whole_beside_split(decoder_layers(model or _empty_model(config))[0], keys)
@@ -324,12 +323,8 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
     shard = P.sharder(fsdp_mesh, dtype)
     if shard is None:
         model.to(dtype)
-    plan = P.layer_plan(model) if tp_mesh is not None else None
-    for layer in decoder_layers(model):
-        P.parallelize_unit(layer, tp_mesh, plan, shard)
-    if tp_mesh is not None:
-        P.split_sequence(decoder_layers(model), tp_mesh)
-    P.parallelize_unit(model, None, None, shard)
+    P.parallelize_layers(model, decoder_layers(model), tp_mesh, P.layer_plan(model) if tp_mesh is not None else None,
+                         shard)
     return model
 
 

@@ -1,4 +1,4 @@
-"""Helpers the rank bodies share: reference attention on one device, and error measures."""
+"""Helpers the tests share: reference attention on one device, error measures, and a recipe written by hand."""
 
 import torch
 import torch.nn.functional as F
@@ -23,3 +23,15 @@ def reference(qkv, grad, **sdpa_kwargs):
 
 def max_err(a, b):
     return (a.float() - b.float()).abs().max().item()
+
+
+def write_recipe(path, workload, config, script=None):
+    """An unmeasured recipe of ``workload`` under ``config`` on one CPU node of as many ranks as its mesh holds,
+    as a user writes one by hand; returns its path."""
+    from cptune._env import environment
+    from cptune.recipe import Launch, Metrics, Provenance, Recipe, save_recipe
+
+    ranks = config.parallel_dims().world
+    return save_recipe(Recipe(workload=workload, config=config, launch=Launch(nproc_per_node=ranks, script=script),
+                              provenance=Provenance(**environment("cpu", ranks).provenance()),
+                              metrics=Metrics(measured=False)), path)

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 import cptune
-from cptune._env import environment
-from cptune.recipe import Launch, Metrics, Provenance, Recipe, save_recipe
+from tests._helpers import write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,10 +56,8 @@ def test_example_tp_cp_with_compile_selective_ac_and_fsdp_matches_one_process(tm
     script = str(ROOT / "examples/train_llama_cp.py")
     workload = cptune.Workload(seq_len=256, heads=4, kv_heads=2, head_dim=16, documents="longtail",
                                step="examples.train_llama_cp:search_step")
-    save_recipe(Recipe(workload=workload, config=cptune.CPConfig(mesh_shape=(1, 1, 2, 2), rotate_method="alltoall"),
-                       launch=Launch(nproc_per_node=4, script="examples/train_llama_cp.py"),
-                       provenance=Provenance(**environment("cpu", 4).provenance()), metrics=Metrics(measured=False)),
-                tmp_path / "r.yaml")
+    write_recipe(tmp_path / "r.yaml", workload, cptune.CPConfig(mesh_shape=(1, 1, 2, 2), rotate_method="alltoall"),
+                 "examples/train_llama_cp.py")
     common = ["--seq-len", "256", "--batch", "2", "--steps", "2", "--documents", "longtail"]
     run([sys.executable, script, *common, "--losses-out", "one.json"], tmp_path)
     run([sys.executable, "-m", "cptune", "launch", "r.yaml", "--", script, *common, "--compile", "--ac", "selective",

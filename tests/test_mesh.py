@@ -11,9 +11,8 @@ import cptune
 from cptune.attention import _documents
 from cptune.errors import ValidationError
 from cptune.mesh import ParallelDims
-from cptune._env import environment
-from cptune.recipe import Launch, Metrics, Provenance, load_recipe
-from tests._helpers import max_err
+from cptune.recipe import load_recipe
+from tests._helpers import max_err, write_recipe
 from tests.test_numerics import FP32_TOL
 
 
@@ -234,11 +233,7 @@ def test_a_sequence_tp_cannot_split_is_named_before_any_rank_starts(tmp_path, mo
     config = cptune.CPConfig(mesh_shape=(1, 1, 2, 2), load_balance=False)
     assert "do not split over cp=2 x tp=2" in invalid_reason(cptune.Workload(seq_len=6, heads=4), config, None)
     monkeypatch.setenv("WORLD_SIZE", "4")
-    recipe = tmp_path / "r.yaml"
-    cptune.save_recipe(cptune.Recipe(workload=cptune.Workload(seq_len=256, heads=4, kv_heads=2, head_dim=16),
-                                     config=config, launch=Launch(nproc_per_node=4),
-                                     provenance=Provenance(**environment("cpu", 4).provenance()),
-                                     metrics=Metrics(measured=False)), recipe)
+    recipe = write_recipe(tmp_path / "r.yaml", cptune.Workload(seq_len=256, heads=4, kv_heads=2, head_dim=16), config)
     from cptune._recipe_check import check_recipe
 
     short = load_recipe(recipe).model_copy(update={"workload": cptune.Workload(seq_len=6, heads=4, kv_heads=2)})

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import cptune
-from cptune._env import environment
 from cptune.cli import main
-from cptune.recipe import Launch, Metrics, Provenance, Recipe, save_recipe
+from cptune.recipe import Metrics
+from tests._helpers import write_recipe
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,11 +35,8 @@ def losses(path):
 
 
 def _recipe(tmp_path, workload, mesh, script="examples/train_hf.py"):
-    nproc = mesh[0] * mesh[1]
-    recipe = Recipe(workload=workload, config=cptune.CPConfig(mesh_shape=mesh, rotate_method="alltoall"),
-                    launch=Launch(nproc_per_node=nproc, script=script),
-                    provenance=Provenance(**environment("cpu", nproc).provenance()), metrics=Metrics(measured=False))
-    return save_recipe(recipe, tmp_path / "r.yaml")
+    return write_recipe(tmp_path / "r.yaml", workload, cptune.CPConfig(mesh_shape=mesh, rotate_method="alltoall"),
+                        script)
 
 
 def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_checkpoint(tmp_path):

@@ -244,13 +244,8 @@ def train(args: SimpleNamespace) -> None:
     distributed = "RANK" in os.environ
     device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
     config, dp, cp, batch, seq_len = args.config, args.dp, args.cp, args.batch, args.seq_len
-    fsdp_mesh = None
-    if distributed and args.fsdp and args.dims.is_dp_cp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        fsdp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_cp",))
-    elif distributed and args.fsdp:  # tp by the model's own plan, FSDP2 over dp_shard x cp, HSDP over dp_replicate
-        fsdp_mesh = args.dims.model_mesh(device.type)
+    # tp by the model's own plan, FSDP2 over every dp_shard x cp rank, HSDP over dp_replicate
+    fsdp_mesh = args.dims.model_mesh(device.type) if distributed and args.fsdp else None
     # on the meta device, then one sharded layer at a time: no rank holds the whole model; the same weights at
     # any world size (seeded per layer), or the --model folder's safetensors read into each rank's shards
     model = models.build_model(args.hf_config, device, weights=args.path if args.weights else None,

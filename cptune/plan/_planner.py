@@ -13,7 +13,7 @@ from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
 from .._sizes import format_rate, format_size
-from .._space import AC_MODES, configurations
+from .._space import AC_MODES, configurations, tp_degrees
 from ..workload import Workload
 from ._calibrate import Calibration
 from ._dims import ModelDims
@@ -90,13 +90,6 @@ class Plan:
                 "best": self.best.to_dict() if self.best else None,
                 "predictions": [p.to_dict() for p in self.predictions],
                 "invalid": [{"config": c, "reason": r} for c, r in self.invalid]}
-
-
-def tp_degrees(gpus: int, gpus_per_node: int, max_tp: int | None = None) -> tuple[int, ...]:
-    """The tensor-parallel degrees a plan tries: the divisors of a node's GPUs (tp stays inside a node) up to
-    ``max_tp`` (None: a node's)."""
-    node = min(gpus, gpus_per_node)
-    return tuple(t for t in range(1, node + 1) if node % t == 0 and gpus % t == 0 and t <= (max_tp or node))
 
 
 def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpus_per_node: int = 8,

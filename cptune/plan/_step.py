@@ -222,7 +222,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     dense_fwd = 2 * tokens * (L * matmul + (h * dims.vocab if dims.vocab and not dims.attention_only else 0))
     pairs = busiest_pairs(w, ring, lb) * b
     attn_fwd = 4 * dims.head_dim * (heads / ulysses) * pairs * L
-    per_token = 3 * hq if dims.attention_only else 8 * h / tp + gathered_in + 6 * (dims.hidden // tp) + 6 * f
+    # elementwise traffic per token: the residual stream's and the heads' (split by tp), the gathered inputs, the MLP's
+    per_token = 3 * hq if dims.attention_only else 14 * h / tp + gathered_in + 6 * f
     expanded = 2 * hq if dims.kv_expanded else 0  # repeat_kv writes query-wide K and V (and autograd keeps them)
     per_token += expanded
     elem_fwd = tokens * L * per_token * e + (tokens * dims.vocab * 12 if not dims.attention_only else 0)

@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 from ..config import CPConfig, decide_load_balance
-from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, strategies, usable_backends
+from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, strategies, tp_degrees as degrees, \
+    usable_backends
 from ..workload import Workload
 
 
@@ -30,16 +31,15 @@ class Axis:
 
 
 def tp_degrees(workload: Workload, nproc_per_node: int, world_size: int, max_tp: int) -> tuple[int, ...]:
-    """The tensor-parallel degrees a search tries: 1, and for a ``--model`` workload each divisor of a node's ranks
-    up to ``max_tp`` that divides the world and that the model's own TP plan can split (:func:`cptune.models.
-    tp_problems`: its styles, heads, key/value heads and intermediate size)."""
+    """The tensor-parallel degrees a search tries: 1, and for a ``--model`` workload each degree the world takes
+    inside a node up to ``max_tp`` (:func:`cptune._space.tp_degrees`, as the plan's) that the model's own TP plan can
+    split (:func:`cptune.models.tp_problems`: its styles, heads, key/value heads and intermediate size)."""
     if max_tp == 1 or workload.model is None:
         return (1,)
     from .. import models
 
     config = models.load_config(workload.model, workload.model_overrides)
-    return tuple(t for t in range(1, min(max_tp, nproc_per_node) + 1)
-                 if nproc_per_node % t == 0 and world_size % t == 0 and not models.tp_problems(config, t))
+    return tuple(t for t in degrees(world_size, nproc_per_node, max_tp) if not models.tp_problems(config, t))
 
 
 def axes(workload: Workload, world_size: int, device_type: str, tp: tuple[int, ...] = (1,)) -> Axis:
