@@ -58,15 +58,15 @@ def whole_beside_split(layer: nn.Module, plan_keys: list[str]) -> list[str]:
     return found
 
 
-def split_mesh(mesh: Any) -> tuple[Any, Any]:
-    """(the tp mesh or None, the mesh FSDP2 shards over) of ``build_model``'s ``fsdp_mesh``: a 1-D mesh as it is; a
-    model mesh (:meth:`cptune.ParallelDims.model_mesh`) split into tp (None when 1) and dp_replicate x dp_shard_cp
-    (HSDP when replicated, else dp_shard_cp alone)."""
+def split_mesh(mesh: Any, argument: str = "fsdp_mesh") -> tuple[Any, Any]:
+    """(the tp mesh or None, the mesh FSDP2 shards over) of ``build_model``'s ``fsdp_mesh`` (``argument``: its name
+    where it was given): a 1-D mesh as it is; a model mesh (:meth:`cptune.ParallelDims.model_mesh`) split into tp
+    (None when 1) and dp_replicate x dp_shard_cp (HSDP when replicated, else dp_shard_cp alone)."""
     if mesh is None or mesh.ndim == 1:
         return None, mesh
     names = mesh.mesh_dim_names or ()
     if names != MODEL_DIMS:
-        raise ValidationError([Problem("fsdp_mesh", f"has {mesh.ndim} dims named {names}", "pass a 1-D mesh, or "
+        raise ValidationError([Problem(argument, f"has {mesh.ndim} dims named {names}", "pass a 1-D mesh, or "
                                        "ParallelDims.model_mesh(device_type) for tensor parallelism and HSDP")])
     tp = mesh["tp"] if mesh["tp"].size() > 1 else None
     data = mesh["dp_replicate", "dp_shard_cp"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard_cp"]
@@ -206,13 +206,19 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, mesh: Any = None, tp_pl
     the residual stream, then ``wrap(block)`` (activation checkpointing, compile: it returns the block to keep), then
     FSDP2 over the data-parallel dims (HSDP across dp_replicate), the root last. ``mesh``:
     :meth:`cptune.ParallelDims.model_mesh`, a 1-D mesh (FSDP2 alone), or None (``wrap`` alone). Returns ``model``."""
-    tp_mesh, data = split_mesh(mesh)
+    tp_mesh, data = split_mesh(mesh, "mesh")
     plan = None
     if tp_mesh is not None:
         styles = tp_styles()
         if not tp_plan or unapplied_styles(tp_plan):
             raise ValidationError([Problem("tp_plan", f"is {tp_plan!r} with tp={tp_mesh.size()}", "map each "
                                            f"module to split to one of {', '.join(styles)}")])
+        named = {name for name, _ in layers[0].named_modules()}
+        missing = sorted(key for key in tp_plan if key not in named)
+        if missing:  # parallelize_module would only warn, and the block would run half split
+            raise ValidationError([Problem("tp_plan", f"names {', '.join(missing)}, not modules of a "
+                                           f"{type(layers[0]).__name__}", "name modules under a block, e.g. "
+                                           f"{sorted(named - {''})[:3]}")])
         plan = {key: styles[style] for key, style in tp_plan.items()}
     parallelize_layers(model, layers, tp_mesh, plan, sharder(data, dtype), wrap)
     return model

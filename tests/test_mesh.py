@@ -241,3 +241,28 @@ def test_a_sequence_tp_cannot_split_is_named_before_any_rank_starts(tmp_path, mo
     with pytest.raises(cptune.ValidationError, match=r"seq_len: 6 tokens do not split over cp=2 x tp=2"):
         train_llama_cp.checked(recipe_path=str(recipe), seq_len=6, batch=None, compile_=None, ac=None,
                                documents=None, fsdp=True)
+
+
+def _bad_parallelize_calls() -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cptune.examples.train_llama_cp import Llama
+
+    said = []
+    for plan, mesh in (({"attn.wq": "bogus"}, None), (None, None), ({"attn.wx": "colwise"}, None),
+                       ({"attn.wq": "colwise"}, init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b")))):
+        model = Llama()
+        with pytest.raises(cptune.ValidationError) as caught:
+            cptune.parallelize(model, model.blocks, mesh or ParallelDims(tp=2).model_mesh("cpu"), tp_plan=plan)
+        said.append(str(caught.value))
+    return said
+
+
+def test_parallelize_names_a_plan_or_mesh_it_cannot_apply(ranks):
+    """A style cptune does not apply, no plan with tp, a module the block does not have (torch's parallelize_module
+    would only warn, and the block would run half split), a mesh that is not a model mesh: each named."""
+    said = ranks(2).run(_bad_parallelize_calls)[0]
+    assert said[0].startswith("cptune: tp_plan: is {'attn.wq': 'bogus'} with tp=2. Fix: map each module")
+    assert said[1].startswith("cptune: tp_plan: is None with tp=2")
+    assert said[2].startswith("cptune: tp_plan: names attn.wx, not modules of a Block")
+    assert said[3].startswith("cptune: mesh: has 2 dims named ('a', 'b')"), said
