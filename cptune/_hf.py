@@ -4,12 +4,14 @@ implementation, the forward pre-hook's checks, packed documents and windows as t
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from .attention import documents_from_cu_seqlens, packed_documents
+from ._mixers import cp_problems, model_mixers
 from ._loss import IGNORE_INDEX
 from ._session import active
 from .context import scaled_dot_product_attention
@@ -87,6 +89,8 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
     _set_implementation(module, ATTN_IMPLEMENTATION if session is not None else module._cptune_outside)
     if session is None:
         return None
+    # a layer that mixes tokens outside attention: refused before this hook's own collective, on every rank alike
+    raise_if(cp_problems(type(module).__name__, module._cptune_mixers, session.cp, "model"))
     names = [p for p in inspect.signature(module.forward).parameters]
     given = {**dict(zip(names, args)), **kwargs}  # positional arguments by name too
     problems = []
@@ -117,9 +121,17 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
     return args, kwargs
 
 
-def enable(model: nn.Module) -> nn.Module:
-    """Make a transformers model CP-ready (attention inside blocks, checks, the loss divisor); returns the model."""
+def enable(model: nn.Module, token_wise: Iterable[type | str] = ()) -> nn.Module:
+    """Make a transformers model CP-ready (attention inside blocks, checks, the loss divisor); returns the model.
+
+    Inside a block of cp > 1, a model with layers that mix tokens outside softmax attention (convolutions over the
+    sequence, recurrent, state-space and linear-attention layers, ``config.layer_types`` entries that are not
+    attention; :mod:`cptune._mixers`) is refused by name at its first forward, before any collective.
+    ``token_wise``: module classes (or class names) you vouch for as per-token, which that rule cannot tell."""
     _register()
+    vouched = {*getattr(model, "_cptune_token_wise", ()), *(t if isinstance(t, str) else t.__name__ for t in token_wise)}
+    model._cptune_token_wise = vouched  # a later enable (cptune.models, the Trainer) keeps what the user vouched for
+    model._cptune_mixers = model_mixers(model, vouched)
     if not getattr(model, "_cptune_hook", None):
         current = getattr(model.config, "_attn_implementation", None)
         model._cptune_outside = current if current not in (None, ATTN_IMPLEMENTATION) else "sdpa"

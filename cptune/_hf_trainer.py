@@ -38,6 +38,7 @@ from .attention import packed_documents
 from ._loss import IGNORE_INDEX, shift_labels
 from .config import ConfigLike
 from .context import config_for, context_parallel, replica
+from ._mixers import cp_problems
 from .errors import Problem, raise_if
 
 
@@ -89,6 +90,8 @@ class Trainer(transformers.Trainer):
         self.dp, self.cp, self.replica = replica(config=config, recipe=recipe)
         self.cp_steps = 0  # micro-batches run sharded over more than one CP rank
         enable(self.model)
+        # layers that mix tokens outside attention: refused here, before any step (the block would at the first)
+        raise_if(cp_problems(type(self.model).__name__, self.model._cptune_mixers, self.cp, "config.mesh_shape"))
 
     @contextlib.contextmanager
     def _defer_fsdp_gradient_reduction(self):

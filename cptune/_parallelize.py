@@ -58,6 +58,24 @@ def whole_beside_split(layer: nn.Module, plan_keys: list[str]) -> list[str]:
     return found
 
 
+def unsplit_blocks(layer: nn.Module, plan_keys: list[str]) -> list[str]:
+    """The layer's children with parameters that the plan neither splits nor enters and that are not single
+    token-wise modules (an MoE block beside split attention, Mixtral's): under sequence parallelism each tp rank runs
+    them on its share of the tokens, so each rank's gradient would be a part of the whole one; only a norm-like leaf
+    (``SequenceParallel``) is made whole again."""
+    present = present_keys(layer, plan_keys)
+    entered = set(present) | {key.rsplit(".", 1)[0] for key in present if "." in key}  # split, or a block
+    return [f"{name} ({type(child).__name__})" for name, child in layer.named_children()
+            if name not in entered and any(True for _ in child.parameters())
+            and any(True for _ in child.children())]
+
+
+def present_keys(layer: nn.Module, plan_keys) -> list[str]:
+    """The plan's keys that name modules of ``layer`` (a plan names the dense MLP of an MoE model's other layers)."""
+    named = {name for name, _ in layer.named_modules()}
+    return [key for key in plan_keys if key in named]
+
+
 def split_mesh(mesh: Any, argument: str = "fsdp_mesh") -> tuple[Any, Any]:
     """(the tp mesh or None, the mesh FSDP2 shards over) of ``build_model``'s ``fsdp_mesh`` (``argument``: its name
     where it was given): a 1-D mesh as it is; a model mesh (:meth:`cptune.ParallelDims.model_mesh`) split into tp
@@ -93,6 +111,7 @@ def sequence_parallel(layer: nn.Module, plan: dict[str, Any]) -> tuple[dict[str,
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
+    plan = {key: plan[key] for key in present_keys(layer, plan)}
     blocks = sorted({key.rsplit(".", 1)[0] for key in plan if "." in key})
     out = {key: RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1))
            if isinstance(style, RowwiseParallel) else style for key, style in plan.items()}

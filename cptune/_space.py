@@ -30,6 +30,21 @@ def tp_degrees(world_size: int, per_node: int, max_tp: int | None = None) -> tup
     return tuple(t for t in range(1, node + 1) if node % t == 0 and world_size % t == 0 and t <= (max_tp or node))
 
 
+def model_limits(workload: Workload, degrees: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+    """What a ``--model`` workload's model can train under: (those of ``degrees`` its TP plan can split, why it cannot
+    take cp > 1 or None), by :func:`cptune.models.tp_problems` and :func:`cptune.models.cp_problems`; the one rule
+    the search's space and ``cptune plan`` both apply, so neither proposes what the training script refuses."""
+    if workload.model is None:
+        return degrees, None
+    from . import models
+
+    config = models.load_config(workload.model, workload.model_overrides)
+    model = models._empty_model(config)
+    refused = models.cp_problems(config, 2, "model", model)
+    return (tuple(t for t in degrees if not models.tp_problems(config, t, model=model)),
+            refused[0].message.replace("is cp=2 but ", "") if refused else None)
+
+
 def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
            ) -> list[tuple[int, ...]]:
     """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees`` and a dp_replicate among ``replicas``: (dp,
@@ -104,12 +119,13 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None
 
 
 def configurations(workload: Workload, world: int, backends: tuple[str, ...], device_type: str | None = None,
-                   tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
+                   tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,), cp_refused: str | None = None
                    ) -> tuple[list[CPConfig], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` over ``backends``: (the valid ones, in
     mesh / strategy / rotate / backend / load-balance order, and (label, why) for the invalid ones). The one
     enumeration the search's oracle and ``cptune plan`` both use; a hybrid whose Ulysses group does not split a
-    mesh's cp is not a configuration of that mesh (skipped, not listed as invalid)."""
+    mesh's cp is not a configuration of that mesh (skipped, not listed as invalid). ``cp_refused``: why the model
+    cannot take cp > 1 (:func:`model_limits`), each such configuration invalid for it."""
     seen: set[str] = set()
     valid: list[CPConfig] = []
     invalid: list[tuple[str, str]] = []
@@ -123,7 +139,8 @@ def configurations(workload: Workload, world: int, backends: tuple[str, ...], de
         if key in seen or config.degree_problems(config.parallel_dims().cp):
             continue
         seen.add(key)
-        reason = invalid_reason(workload, config, device_type)
+        reason = cp_refused if cp_refused and config.parallel_dims().cp > 1 else \
+            invalid_reason(workload, config, device_type)
         if reason is None:
             valid.append(config)
         else:

@@ -122,6 +122,11 @@ def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> Non
     if dry_run:
         click.echo(shlex.join([f"{ENV_VAR}={recipe_abs}", *argv]))
         return
+    from ._preflight import preflight
+
+    # the script's own checks, once, before torchrun starts a rank: a bad override is one message, not one a rank
+    preflight(script, args if args is not None else list(patched.launch.args), recipe_abs,
+              (nnodes or patched.launch.nnodes) * patched.launch.nproc_per_node, patched.launch.nproc_per_node)
     env = {**os.environ, ENV_VAR: recipe_abs}
     code = subprocess.call([sys.executable, "-m", "torch.distributed.run", *argv[1:]], env=env)
     sys.exit(code)

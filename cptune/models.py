@@ -33,7 +33,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import _parallelize as P, _weights
+from . import _mixers, _parallelize as P, _weights
+from ._mixers import decoder_layers
 from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ._hf import enable
 from ._files import read_json_object
@@ -166,20 +167,47 @@ def tp_problems(config, tp: int, argument: str = "mesh.tp", model: nn.Module | N
                         f"({'; '.join(odd)})", f"use tp=1 for this model (cptune applies {', '.join(P.tp_styles())})")
                 ] if odd else []
     keys = [key.split("layers.*.", 1)[1] for key in plan if key.startswith("layers.*.")]
-    whole = P.whole_beside_split(decoder_layers(model or _empty_model(config))[0], keys)
+    layers = decoder_layers(model or _empty_model(config))
+    whole = sorted({name for layer in layers for name in P.whole_beside_split(layer, P.present_keys(layer, keys))})
     if whole:
         problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan leaves {', '.join(whole)} "
                                 "whole beside the modules it splits: each tp rank's gradient there would be a part "
                                 "of the whole one", "use tp=1 for this model"))
+    blocks = sorted({name for layer in layers for name in P.unsplit_blocks(layer, keys)})
+    if blocks:
+        problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan leaves {', '.join(blocks)} "
+                                "unsplit: under sequence parallelism each tp rank would run it on its share of the "
+                                "tokens and hold a part of its gradient (MoE experts need expert parallelism, which "
+                                "cptune does not apply)", "use tp=1 for this model"))
     shape = attention_shape(config)
     return problems + ParallelDims(tp=tp).model_problems(heads=shape["heads"], kv_heads=shape["kv_heads"],
                                                          intermediate=getattr(text, "intermediate_size", None),
                                                          argument=argument)
 
 
+def cp_problems(config, cp: int, argument: str = "config.mesh_shape", model: nn.Module | None = None,
+                token_wise: Iterable[type | str] = ()) -> list[Problem]:
+    """Why ``config``'s model cannot train right over ``cp`` CP ranks: layers that mix tokens outside softmax
+    attention (:mod:`cptune._mixers`' rule: convolutions over the sequence, recurrent, state-space and
+    linear-attention layers, ``layer_types`` that are not attention), named with their layers. ``model``: the model
+    already made from ``config`` (else one is made on the meta device to read its layers)."""
+    if cp <= 1:
+        return []
+    made = model if model is not None else _empty_model(config)
+    return _mixers.cp_problems(type(made).__name__, _mixers.model_mixers(made, token_wise), cp, argument)
+
+
+def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape",
+                  model: nn.Module | None = None) -> list[Problem]:
+    """Everything about ``config``'s model that ``dims`` cannot train right: :func:`cp_problems` and
+    :func:`tp_problems`, the one check the scripts, ``cptune launch``, the search and the plan make."""
+    made = model if model is not None or (dims.cp == 1 and dims.tp == 1) else _empty_model(config)
+    return cp_problems(config, dims.cp, argument, made) + tp_problems(config, dims.tp, argument, made)
+
+
 def build_model(config, device: torch.device | str, weights: str | Path | None = None, *, seed: int = 0,
                 fsdp_mesh: Any = None, ac: str | None = None, compile: bool = False,
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+                dtype: torch.dtype = torch.float32, cp: int = 1) -> nn.Module:
     """A float32 causal LM from ``config``, SDPA attention outside CP blocks, never whole on a rank when sharded.
 
     Built on the meta device, then materialized one unit at a time (each decoder layer, then the rest):
@@ -193,12 +221,15 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
 
     ``fsdp_mesh`` may also be the model's mesh of a named mesh (:meth:`cptune.ParallelDims.model_mesh`): each
     decoder layer is then split over its ``tp`` dim by the model's own TP plan first (torchtitan's order: TP,
-    AC and compile, FSDP2), and FSDP2 shards over ``dp_shard_cp``, replicated over ``dp_replicate`` (HSDP)."""
+    AC and compile, FSDP2), and FSDP2 shards over ``dp_shard_cp``, replicated over ``dp_replicate`` (HSDP).
+
+    ``cp``: the CP degree it will train under; above 1, a model with layers that mix tokens outside attention is
+    refused by name before anything is made (:func:`cp_problems`; the block refuses it at the first forward too)."""
     device = torch.device(device)
     tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
     model = _empty_model(config)
-    if tp_mesh is not None:
-        raise_if(tp_problems(config, tp_mesh.size(), model=model))
+    raise_if(cp_problems(config, cp, "cp", model) + (tp_problems(config, tp_mesh.size(), model=model)
+                                                      if tp_mesh is not None else []))
     if weights is not None:
         tensors = _weights.stored_tensors(weights)
         raise_if(_weights.weight_problems(model, tensors))
@@ -227,13 +258,29 @@ def _empty_model(config) -> nn.Module:
     """``config``'s causal LM, its parameters on the meta device, its buffers made."""
     transformers = _transformers("model")
     with _parameters_on_meta():
-        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                                 dtype=torch.float32)
+        except ValueError as exc:  # e.g. 'Gemma2ForCausalLM does not support an attention implementation through SDPA'
+            if "attention implementation" not in str(exc):
+                raise
+            first = str(exc).strip().split(". ")[0]
+            raise ValidationError([Problem("model", f"{type(config).__name__}: transformers {transformers.__version__}"
+                                           f" says {first!r}; cptune's attention under CP is SDPA's", "use a model "
+                                           "family that runs with attn_implementation='sdpa' (softcapping and "
+                                           "attention sinks do not)")]) from None
 
 
 def check_weights(config, weights: str | Path, argument: str = "weights") -> None:
     """Refuse, by name and before any tensor is read or any rank starts, a safetensors folder that
     :func:`build_model` would refuse for ``config`` (damaged files, missing tensors, other shapes or dtypes)."""
     raise_if(_weights.weight_problems(_empty_model(config), _weights.stored_tensors(weights, argument), argument))
+
+
+_KEPT_PARAMETER = 4096
+"""Parameters this small keep the value their module's ``__init__`` gave them through the meta-device build (a
+learned activation's scalars, Apertus' xIELU): ``_init_weights`` does not set every parameter, and one it leaves
+would be uninitialized memory after ``to_empty``, different on every rank."""
 
 
 @contextlib.contextmanager
@@ -243,13 +290,15 @@ def _parameters_on_meta():
     without buffers, the rule ``from_pretrained`` loads by). A model's buffers are what its ``__init__``
     computes (rotary frequencies, embedding scales): built on meta they would have no value, and not every
     transformers release's ``_init_weights`` computes them again (4.56 and 4.57 leave ``inv_freq`` as
-    uninitialized memory after ``to_empty``)."""
+    uninitialized memory after ``to_empty``). Small parameters keep their value likewise (:data:`_KEPT_PARAMETER`)."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         held = module._parameters.get(name)
         if held is not None and not held.is_meta:
+            if held.numel() <= _KEPT_PARAMETER:  # the value __init__ gave it, in case _init_weights sets none
+                module.__dict__.setdefault("_cptune_made", {})[name] = held.detach().clone()
             kind = type(held)
             extra = dict(held.__dict__)
             module._parameters[name] = kind(held.to("meta"), requires_grad=held.requires_grad)
@@ -272,21 +321,14 @@ def _materialize(model: nn.Module, modules: list[nn.Module], device: torch.devic
         m.to_empty(device=device, recurse=False)
         for name, value in made.items():
             m._buffers[name].copy_(value)
+        for name, value in m.__dict__.get("_cptune_made", {}).items():
+            if m._parameters.get(name) is not None:
+                m._parameters[name].copy_(value)
     if unit == 0 and hasattr(model, "tie_weights"):  # the root's: lm_head shares the embedding when tied
         model.tie_weights()
     torch.manual_seed(seed * 1_000_003 + unit)
     for m in modules:
         model._init_weights(m)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks (transformers names their class in ``_no_split_modules``)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValidationError([Problem("model", f"{type(model).__name__} names no decoder layer class "
-                                       "(_no_split_modules)", "use a transformers causal LM")])
-    return layers
 
 
 def training_problems(ac: str, compile: bool) -> list[Problem]:
@@ -309,16 +351,16 @@ def _keep_matmuls_and_attention(ctx, op, *args, **kwargs):
 
 
 def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = False, fsdp_mesh: Any = None,
-                         dtype: torch.dtype = torch.float32) -> nn.Module:
+                         dtype: torch.dtype = torch.float32, cp: int = 1) -> nn.Module:
     """For a model built elsewhere (:func:`build_model` does this itself with ``ac=``): cptune.hf.enable, train
     mode, no KV cache, then activation checkpointing, torch.compile per decoder layer and FSDP2 (per decoder
     layer, then the root) over ``fsdp_mesh`` when given. A ``dtype`` below float32 is the compute dtype: FSDP2
     keeps float32 parameters and reduces gradients in float32 (without FSDP the model is cast). Returns the
     model. ``fsdp_mesh`` may be a model mesh (:meth:`cptune.ParallelDims.model_mesh`), as for :func:`build_model`:
-    tensor parallelism by the model's own plan first."""
+    tensor parallelism by the model's own plan first. ``cp``: as for :func:`build_model`."""
     tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
-    if tp_mesh is not None:
-        raise_if(tp_problems(model.config, tp_mesh.size(), model=model))
+    raise_if(cp_problems(model.config, cp, "cp", model, getattr(model, "_cptune_token_wise", ()))
+             + (tp_problems(model.config, tp_mesh.size(), model=model) if tp_mesh is not None else []))
     _prepare(model, ac, compile)
     shard = P.sharder(fsdp_mesh, dtype)
     if shard is None:
@@ -352,5 +394,6 @@ def _prepare(model: nn.Module, ac: str, compile: bool) -> None:
 check_export = _weights.check_export
 export_model = _weights.export_model
 
-__all__ = ["attention_shape", "build_model", "check_export", "check_weights", "config_path", "decoder_layers",
+__all__ = ["attention_shape", "build_model", "check_export", "check_weights", "config_path", "cp_problems",
+           "decoder_layers", "mesh_problems",
            "export_model", "load_config", "model_workload", "parse_overrides", "prepare_for_training", "tp_problems"]

@@ -10,5 +10,5 @@ import runpy
 
 if __name__ == "__main__":
     runpy.run_module("cptune.examples.train_hf", run_name="__main__", alter_sys=True)
-else:  # imported: its functions (``--workload examples.train_hf:search_step``)
+else:  # imported: its functions (``--workload examples.train_hf:search_step``, the preflight cptune launch runs)
     from cptune.examples.train_hf import *  # noqa: F401,F403

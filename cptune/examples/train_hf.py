@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 import cptune
 from cptune import models
+from cptune._preflight import script_check
 from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import _options as options
 
@@ -215,7 +216,7 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
                                        "config.json), or a recipe from cptune search --model")])
     overrides = models.parse_overrides(model_overrides) if model_overrides else dict(w.model_overrides or {})
     hf_config = models.load_config(path, overrides)
-    raise_if(models.tp_problems(hf_config, dims.tp, "config.mesh_shape"))
+    raise_if(models.mesh_problems(hf_config, dims, "config.mesh_shape"))  # cp over token mixers, tp the plan
     if not dims.is_dp_cp and not rest["fsdp"]:
         raise ValidationError([Problem("fsdp", f"is off with {dims.label()}: tensor parallelism and HSDP train the "
                                        "model as FSDP2 shards it", "drop --no-fsdp, or use a (dp, cp) recipe")])
@@ -240,6 +241,9 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
         export=models.check_export(export, "export") if export else None)
 
 
+preflight = script_check(main, checked)  # cptune launch runs these checks once, before torchrun starts any rank
+
+
 def train(args: SimpleNamespace) -> None:
     distributed = "RANK" in os.environ
     device, world, rank = cptune.init_rank()  # under torchrun: the process group joined
@@ -249,7 +253,7 @@ def train(args: SimpleNamespace) -> None:
     # on the meta device, then one sharded layer at a time: no rank holds the whole model; the same weights at
     # any world size (seeded per layer), or the --model folder's safetensors read into each rank's shards
     model = models.build_model(args.hf_config, device, weights=args.path if args.weights else None,
-                               fsdp_mesh=fsdp_mesh, ac=args.ac, compile=args.compile)
+                               fsdp_mesh=fsdp_mesh, ac=args.ac, compile=args.compile, cp=cp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 

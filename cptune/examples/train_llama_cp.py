@@ -42,6 +42,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cptune
+from cptune._preflight import script_check
 from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import _options as options
 
@@ -218,6 +219,9 @@ def checked(recipe_path, seq_len, batch, compile_, ac, documents, fsdp, **rest) 
                                        "model as FSDP2 shards it", "add --fsdp, or use a (dp, cp) recipe")])
     return SimpleNamespace(**rest, recipe=recipe, config=config, seq_len=seq_len, compile=compile_, ac=ac, fsdp=fsdp,
                            documents=documents, document_ids=ids, dims=dims, dp=dims.dp, cp=dims.cp, batch=batch)
+
+
+preflight = script_check(main, checked)  # cptune launch runs these checks once, before torchrun starts any rank
 
 
 def train(args: SimpleNamespace) -> None:

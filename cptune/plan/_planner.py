@@ -13,7 +13,7 @@ from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
 from .._sizes import format_rate, format_size
-from .._space import AC_MODES, configurations, tp_degrees
+from .._space import AC_MODES, configurations, model_limits, tp_degrees
 from ..workload import Workload
 from ._calibrate import Calibration
 from ._dims import ModelDims
@@ -21,10 +21,10 @@ from ._hardware import Hardware
 from ._step import Point, Prediction, predict
 
 def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
-           backend: str = "flash", tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
-           ) -> tuple[list[Point], list[tuple[str, str]]]:
+           backend: str = "flash", tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,),
+           cp_refused: str | None = None) -> tuple[list[Point], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why."""
-    valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees, replicas)
+    valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees, replicas, cp_refused)
     return [Point(config, ac) for config in valid for ac in ac_modes], invalid
 
 
@@ -41,6 +41,7 @@ class Plan:
     predictions: list[Prediction]
     invalid: list[tuple[str, str]] = field(default_factory=list)
     calibration: Calibration = field(default_factory=Calibration)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def best(self) -> Prediction | None:
@@ -80,7 +81,8 @@ class Plan:
         nodes = max(1, self.gpus // self.gpus_per_node)
         return (f"{self.dims.describe()}\n{self.workload.describe()}\n{self.gpus} x {self.hardware.name} "
                 f"({nodes} node(s) of {min(self.gpus, self.gpus_per_node)}), budget {format_size(self.budget)} "
-                f"per GPU; efficiencies: {self.calibration.describe() if self.calibration.trials else 'as the profile: ' + '; '.join(self.hardware.calibrated_by) or 'nominal'}")
+                f"per GPU; efficiencies: {self.calibration.describe() if self.calibration.trials else 'as the profile: ' + '; '.join(self.hardware.calibrated_by) or 'nominal'}"
+                + "".join(f"\nnote: {n}" for n in self.notes))
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.dims.model_dump(mode="json"), "workload": self.workload.model_dump(mode="json"),
@@ -89,7 +91,7 @@ class Plan:
                 "calibration": self.calibration.to_dict(),
                 "best": self.best.to_dict() if self.best else None,
                 "predictions": [p.to_dict() for p in self.predictions],
-                "invalid": [{"config": c, "reason": r} for c, r in self.invalid]}
+                "invalid": [{"config": c, "reason": r} for c, r in self.invalid], "notes": self.notes}
 
 
 def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpus_per_node: int = 8,
@@ -112,8 +114,13 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     budget = int(BUDGET_FRACTION * hardware.memory_bytes) if budget is None else budget
     calibration = calibration or Calibration()
     nodes = gpus // gpus_per_node if gpus > gpus_per_node else 1  # HSDP: one replica a node, FSDP2 inside it
-    valid, invalid = points(workload, gpus, ac_modes, tp_degrees=tp_degrees(gpus, gpus_per_node, max_tp),
-                            replicas=(1, nodes) if nodes > 1 else (1,))
+    # the model's own limits, as the training script and the search apply them: a tp its plan cannot split is not
+    # tried, and cp > 1 is not possible for a model with layers that mix tokens outside attention
+    tps, cp_refused = model_limits(workload, tp_degrees(gpus, gpus_per_node, max_tp))
+    notes = [f"cp > 1 is not possible: {cp_refused}. The rows are cp = 1, and the step model does not price those "
+             "layers: it takes every decoder layer as softmax attention"] if cp_refused else []
+    valid, invalid = points(workload, gpus, ac_modes, tp_degrees=tps, replicas=(1, nodes) if nodes > 1 else (1,),
+                            cp_refused=cp_refused)
     if not valid:
         raise ValidationError([Problem("seq_len", f"no configuration of {gpus} GPUs can split this workload: "
                                        + "; ".join(sorted({r for _, r in invalid})[:3]),
@@ -128,7 +135,7 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     preds.sort(key=lambda p: (p.infeasible is not None, -p.tokens_per_s_per_gpu if p.infeasible is None
                               else p.peak_bytes))
     return Plan(dims=dims, workload=workload, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,
-                budget=budget, predictions=preds, invalid=invalid, calibration=calibration)
+                budget=budget, predictions=preds, invalid=invalid, calibration=calibration, notes=notes)
 
 
 def with_more_gpus(result: Plan, factors: tuple[int, ...] = (2, 4), max_tp: int | None = None) -> Plan | None:

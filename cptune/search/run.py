@@ -23,7 +23,7 @@ from .measure import measure_on_rank
 from .memory import default_budget
 from .result import SearchResult
 from .settings import MeasureSettings, SearchSettings
-from ..models import attention_shape, load_config, training_problems
+from ..models import attention_shape, cp_problems, load_config, training_problems
 from .steps import load_user_step
 
 
@@ -165,6 +165,9 @@ def search(
         budget = parse_size(memory_budget) if memory_budget is not None else default_budget(device_type, per_node)
         name = environment(device_type, world, per_node).device_name
         raise_if([p for w in workloads if (p := unfit_problem(w, device_type, name, world, per_node, budget))][:1])
+        # a model with layers that mix tokens outside attention: every cp > 1 the search would measure trains wrong
+        raise_if(cp_problems(load_config(workload.model, workload.model_overrides), world, "--model")
+                 if world > 1 else [])
     if dist.is_initialized() and dist.get_rank() != 0:
         SPMDEvaluator(trial_timeout, measure).follow()  # serve rank 0's trials; torchrun stops this rank
         return None

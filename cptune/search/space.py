@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 
 from ..config import CPConfig, decide_load_balance
-from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, strategies, tp_degrees as degrees, \
-    usable_backends
+from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, model_limits, strategies, \
+    tp_degrees as degrees, usable_backends
 from ..workload import Workload
 
 
@@ -36,10 +36,7 @@ def tp_degrees(workload: Workload, nproc_per_node: int, world_size: int, max_tp:
     split (:func:`cptune.models.tp_problems`: its styles, heads, key/value heads and intermediate size)."""
     if max_tp == 1 or workload.model is None:
         return (1,)
-    from .. import models
-
-    config = models.load_config(workload.model, workload.model_overrides)
-    return tuple(t for t in degrees(world_size, nproc_per_node, max_tp) if not models.tp_problems(config, t))
+    return model_limits(workload, degrees(world_size, nproc_per_node, max_tp))[0]
 
 
 def axes(workload: Workload, world_size: int, device_type: str, tp: tuple[int, ...] = (1,)) -> Axis:

@@ -1,0 +1,311 @@
+"""The support matrix: every family people train at long context, a tiny config from transformers' own config class,
+checked against one process under cptune on real ranks. Each cell is exact (float32: loss within 1e-5, every
+parameter gradient within 1e-4 of the largest of its tensor) or refused by name; anything else is a failure
+(``tests/test_matrix.py`` runs it in CI and holds the table in docs/transformers.md to it).
+
+    python -m benchmarks.matrix                 # prints the matrix; results in benchmarks/results/matrix-*.json
+    python -m benchmarks.matrix --update-docs   # and writes it into docs/transformers.md
+
+Cells: on 2 ranks the ring (load balanced) and Ulysses, each on two unpadded rows and on one row of packed
+documents (position ids restarting per document); on 4 ranks tp2·cp2 (each decoder layer split by the family's own
+TP plan with sequence parallelism, FSDP2 over cp), where the family has a TP plan. A family this transformers does
+not have is left out (the floor lane runs the families 4.56 has).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+SEQ = 32
+BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "attention_dropout": 0.0, "residual_dropout": 0.0}  # dropout is random: no run equals another
+MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
+       "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+       "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}
+GDN = {"num_hidden_layers": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+       "linear_value_head_dim": 16}
+MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1}
+SLIDING = {"sliding_window": 8}
+FAMILIES: dict[str, dict] = {
+    "llama": {}, "mistral": SLIDING, "qwen2": {}, "qwen3": {}, "qwen3_moe": MOE, "qwen3_next": {**MOE, **GDN},
+    "qwen3_5_text": GDN, "gemma": {}, "gemma2": SLIDING, "gemma3_text": SLIDING, "phi": {}, "phi3": {}, "olmo2": {},
+    "olmo3": SLIDING, "olmoe": MOE, "granite": {}, "granitemoe": MOE,
+    "deepseek_v3": {**MOE, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                    "v_head_dim": 16, "head_dim": 8},
+    "mixtral": MOE, "qwen2_moe": MOE, "gpt_oss": {**MOE, **SLIDING}, "glm4": {}, "glm4_moe": MOE, "smollm3": {},
+    "cohere": {}, "cohere2": SLIDING, "ernie4_5": {}, "exaone4": SLIDING, "starcoder2": {}, "apertus": {},
+    "seed_oss": {}, "lfm2": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2,
+                             "block_ff_dim": 128},
+    "bamba": {"num_hidden_layers": 4, "attn_layer_indices": [1, 3], **MAMBA2},
+    "falcon_h1": {**MAMBA2, "mamba_d_ssm": 128},
+    "jamba": {**MOE, "num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8},
+    "granitemoehybrid": {**MOE, "num_hidden_layers": 4, "layer_types": ["mamba", "attention"] * 2, **MAMBA2},
+    "minimax": {**MOE, "num_hidden_layers": 4},
+}
+CP_CELLS = {"ring": ("ring", False), "ulysses": ("ulysses", False), "ring, packed": ("ring", True),
+            "ulysses, packed": ("ulysses", True)}
+TP_CELL = "tp2·cp2"
+
+
+def tiny_config(family: str):
+    """``family``'s tiny config from transformers' own config class (None: this transformers has no such family)."""
+    import transformers
+
+    if family not in transformers.CONFIG_MAPPING:
+        return None
+    config = transformers.CONFIG_MAPPING[family](**{**BASE, **FAMILIES[family]})
+    config.use_cache = False
+    return config
+
+
+def families() -> list[str]:
+    """The families this transformers has."""
+    return [f for f in FAMILIES if tiny_config(f) is not None]
+
+
+def _batch(packed: bool):
+    gen = torch.Generator().manual_seed(3)
+    if packed:  # three documents in one row, positions restarting at each (DataCollatorWithFlattening's form)
+        ids = torch.randint(3, 128, (1, SEQ), generator=gen)
+        positions = torch.cat([torch.arange(n) for n in (11, 5, 16)]).view(1, SEQ)
+        labels = ids.clone()
+        labels[positions == 0] = -100
+        return ids, labels, positions
+    ids = torch.randint(3, 128, (2, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, :5] = -100
+    return ids, labels, torch.arange(SEQ).expand(2, SEQ).contiguous()
+
+
+def _relative(grad: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item()
+    return (grad - want).abs().max().item() / scale if scale > 0 else (grad - want).abs().max().item()
+
+
+def _refused(exc: Exception) -> dict:
+    return {"status": "refused", "message": str(exc)}
+
+
+def _cp_cell(family: str, strategy: str, packed: bool) -> dict:
+    """One family on this group's ranks under ``strategy``: loss and every parameter gradient against one process."""
+    import torch.distributed as dist
+
+    import cptune
+    from cptune import models
+
+    config = tiny_config(family)
+    ids, labels, positions = _batch(packed)
+    try:
+        reference = models.build_model(config, "cpu")
+        model = models.build_model(config, "cpu", ac="none")
+    except cptune.ValidationError as exc:
+        return _refused(exc)
+    reference.train()
+    want = reference(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
+    want.backward()
+    shifted = cptune.shift_labels(labels)
+    config_cp = cptune.CPConfig(strategy=strategy, rotate_method="alltoall")
+    buffers = {"input_ids": ids, "shift_labels": shifted, "position_ids": positions}
+    try:
+        with cptune.context_parallel(buffers=buffers, seq_dims=dict.fromkeys(buffers, 1), config=config_cp):
+            loss = model(input_ids=ids, position_ids=positions, shift_labels=shifted, use_cache=False).loss
+            loss.backward()
+    except cptune.ValidationError as exc:
+        return _refused(exc)
+    world = dist.get_world_size()
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    grads = dict(reference.named_parameters())
+    grad_err = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        grad_err = max(grad_err, _relative(g / world, grads[name].grad if grads[name].grad is not None
+                                           else torch.zeros_like(g)))
+    return _judged(abs(loss.item() / world - want.item()), grad_err)
+
+
+def _judged(loss_err: float, grad_err: float) -> dict:
+    exact = loss_err <= LOSS_TOL and grad_err <= GRAD_TOL
+    return {"status": "exact" if exact else "wrong", "loss_err": loss_err, "grad_err": grad_err}
+
+
+def _tp_cell(family: str) -> dict:
+    """tp2·cp2 on 4 ranks: the family split by its own TP plan, FSDP2 over cp, against one process."""
+    import cptune
+    from cptune import models
+    from cptune.mesh import ParallelDims
+
+    config = tiny_config(family)
+    dims = ParallelDims(1, 1, 2, 2)
+    try:
+        reference = models.build_model(config, "cpu")
+        model = models.build_model(config, "cpu", fsdp_mesh=dims.model_mesh("cpu"), ac="none", cp=dims.cp)
+    except cptune.ValidationError as exc:
+        return _refused(exc)
+    ids, labels, positions = _batch(False)
+    labels = cptune.shift_labels(labels)
+
+    def loss_of(m, block=None):
+        logits = m(input_ids=ids, position_ids=positions).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss / (block.num_items_in_batch(labels) if block is not None else (labels != -100).sum())
+
+    reference.train()
+    want = loss_of(reference)
+    want.backward()
+    cp_config = cptune.CPConfig(mesh_shape=dims.shape)
+    try:
+        with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=cp_config) as b:
+            loss = loss_of(model, b)
+            loss.backward()
+    except cptune.ValidationError as exc:
+        return _refused(exc)
+    import torch.distributed as dist
+
+    loss = loss.detach()
+    dist.all_reduce(loss)  # FSDP2 averages over the cp ranks: each holds cp x its share, once per tp rank
+    grads = dict(reference.named_parameters())
+    grad_err = max(_relative(p.grad.full_tensor(), grads[name].grad) for name, p in model.named_parameters())
+    return _judged(abs(loss.item() / dims.world - want.item()), grad_err)
+
+
+def _caught(cell, *args) -> dict:
+    """A cell, an error that is not cptune's refusal kept as the cell's failure (the matrix goes on)."""
+    try:
+        return cell(*args)
+    except Exception as exc:  # noqa: BLE001 - any other error is what the matrix reports, by family
+        return {"status": "error", "message": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def _family_cells(names: list[str], cells: dict[str, tuple[str, bool]]) -> dict[str, dict[str, dict]]:
+    return {family: {label: _caught(_cp_cell, family, strategy, packed) for label, (strategy, packed) in cells.items()}
+            for family in names}
+
+
+def _tp_cells(names: list[str]) -> dict[str, dict]:
+    return {family: _caught(_tp_cell, family) for family in names}
+
+
+def has_tp_plan(family: str) -> bool:
+    config = tiny_config(family)
+    text = getattr(config, "get_text_config", lambda: config)()
+    return bool(getattr(text, "base_model_tp_plan", None))
+
+
+def run(group2, group4=None, names: list[str] | None = None) -> dict[str, dict[str, dict]]:
+    """The matrix over ``names`` (default: every family this transformers has): rank 0's cells, every rank's
+    agreeing (a cell where ranks disagree is a failure: 'disagree')."""
+    names = families() if names is None else names
+    per_rank = group2.run(_family_cells, names, CP_CELLS)
+    matrix = _agreed(per_rank)
+    if group4 is not None:
+        tp_names = [f for f in names if has_tp_plan(f)]
+        tp = _agreed([{f: {TP_CELL: c} for f, c in r.items()} for r in group4.run(_tp_cells, tp_names)])
+        for family in names:
+            matrix[family][TP_CELL] = tp.get(family, {}).get(TP_CELL, {"status": "no plan"})
+    return matrix
+
+
+def _agreed(per_rank: list[dict]) -> dict:
+    first = per_rank[0]
+    for family, cells in first.items():
+        for label, cell in cells.items():
+            if any(r[family][label]["status"] != cell["status"] for r in per_rank[1:]):
+                cell["status"] = "disagree"
+            cell["grad_err"] = max((r[family][label].get("grad_err", 0.0) for r in per_rank), default=0.0)
+    return first
+
+
+def short(cell: dict) -> str:
+    """A cell as the docs table says it."""
+    status = cell["status"]
+    if status != "refused":
+        return {"exact": "exact", "no plan": "no TP plan"}.get(status, status)
+    text = cell["message"]
+    if "mixes tokens outside attention" in text:
+        kinds = sorted(set(re.findall(r"a (\w+) over \d+ positions", text))
+                       | set(re.findall(r"config.layer_types '(\w+)'", text)))
+        return f"refused: token mixing ({', '.join(kinds)})"
+    if "TP plan" in text:
+        styles = sorted(set(re.findall(r": (\w+)(?:;|\))", text)))
+        return f"refused: TP plan ({', '.join(styles)})" if styles else "refused: TP plan"
+    if "attention implementation" in text or "cannot run under cptune's SDPA" in text:
+        return "refused: not SDPA attention"
+    return "refused: " + text.split(":", 2)[1].strip()[:40]
+
+
+def table(matrix: dict[str, dict[str, dict]], version: str) -> str:
+    """The docs' table (markdown) of ``matrix``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    columns = [*CP_CELLS, TP_CELL]
+    lines = [f"| family (transformers {version}) | class | " + " | ".join(columns) + " |",
+             "|" + "---|" * (len(columns) + 2)]
+    for family, cells in matrix.items():
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family, "")
+        lines.append(f"| `{family}` | {name} | " + " | ".join(short(cells[c]) for c in columns if c in cells) + " |")
+    return "\n".join(lines)
+
+
+BEGIN, END = "<!-- matrix: begin (python -m benchmarks.matrix --update-docs) -->", "<!-- matrix: end -->"
+DOC = ROOT / "docs" / "transformers.md"
+
+
+def documented() -> str | None:
+    """The table docs/transformers.md holds (None: none yet)."""
+    text = DOC.read_text()
+    if BEGIN not in text:
+        return None
+    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+
+
+def update_docs(text: str) -> None:
+    doc = DOC.read_text()
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in doc:
+        doc = doc.split(BEGIN, 1)[0] + block + doc.split(END, 1)[1]
+    else:
+        doc = doc.rstrip() + "\n\n" + block + "\n"
+    DOC.write_text(doc)
+
+
+def main(argv: list[str]) -> int:
+    import transformers
+
+    from cptune.launch import WorkerGroup
+
+    start = time.time()
+    group2, group4 = WorkerGroup(2, timeout=300), WorkerGroup(4, timeout=300)
+    try:
+        matrix = run(group2, group4)
+    finally:
+        group2.close()
+        group4.close()
+    text = table(matrix, transformers.__version__)
+    print(text)
+    bad = [(f, c) for f, cells in matrix.items() for c, cell in cells.items()
+           if cell["status"] not in ("exact", "refused", "no plan")]
+    print(f"{len(matrix)} families, {sum(len(c) for c in matrix.values())} cells, {len(bad)} neither exact nor "
+          f"refused {bad}; {time.time() - start:.0f} s")
+    out = ROOT / "benchmarks" / "results" / f"matrix-{transformers.__version__}-{time.strftime('%Y%m%d-%H%M')}.json"
+    out.write_text(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
+                               "matrix": matrix}, indent=1, default=str))
+    if "--update-docs" in argv:
+        update_docs(text)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

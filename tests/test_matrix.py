@@ -1,0 +1,121 @@
+"""The support matrix (benchmarks/matrix.py) in CI: every family of this transformers, a tiny config from its own
+config class, under the ring and Ulysses (unpadded and packed) on 2 ranks and tp2·cp2 on 4; each cell exact or
+refused by name, the table in docs/transformers.md what the run printed. The layer rule (cptune/_mixers.py) names
+every layer that mixes tokens outside attention in every entry point, before any rank or collective."""
+
+import subprocess
+import sys
+
+import pytest
+import torch.nn as nn
+
+import cptune
+from benchmarks import matrix as M
+from cptune import _mixers, models
+
+transformers = pytest.importorskip("transformers")
+
+HYBRIDS = {"qwen3_next": "Conv1d", "qwen3_5_text": "Conv1d", "lfm2": "Conv1d", "bamba": "Conv1d",
+           "falcon_h1": "Conv1d", "jamba": "Conv1d", "granitemoehybrid": "Conv1d", "minimax": "linear_attention"}
+
+
+def test_every_cell_is_exact_or_refused_by_name_and_the_docs_hold_the_table(ranks):
+    matrix = M.run(ranks(2), ranks(4))
+    assert len(matrix) >= 30 or transformers.__version__.startswith("4."), sorted(matrix)
+    bad = {(f, c): cell for f, cells in matrix.items() for c, cell in cells.items()
+           if cell["status"] not in ("exact", "refused", "no plan")}
+    assert not bad, bad
+    for family, kind in HYBRIDS.items():
+        if family in matrix:  # silently wrong before: refused by name, in every cell
+            for label, cell in matrix[family].items():
+                assert cell["status"] == "refused" and kind in cell["message"] \
+                    and "mixes tokens outside attention" in cell["message"], (family, label, cell)
+    for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "deepseek_v3", "olmo3"):
+        assert all(matrix[family][c]["status"] == "exact" for c in M.CP_CELLS), (family, matrix[family])
+    assert matrix["llama"][M.TP_CELL]["status"] == "exact"
+    documented = M.documented()
+    if documented is not None and f"transformers {transformers.__version__})" in documented.splitlines()[0]:
+        assert documented == M.table(matrix, transformers.__version__), "run python -m benchmarks.matrix --update-docs"
+
+
+def _meta(family):
+    return models._empty_model(M.tiny_config(family))
+
+
+@pytest.mark.parametrize("family,named", [("qwen3_next", "linear_attn.conv1d"), ("lfm2", "conv.conv"),
+                                          ("bamba", "mamba.conv1d"), ("minimax", "'linear_attention'")])
+def test_the_rule_names_each_layer_that_mixes_tokens(family, named):
+    problems = models.cp_problems(M.tiny_config(family), 2)
+    assert len(problems) == 1 and named in problems[0].message and "Fix:" in str(problems[0]), problems
+    assert models.cp_problems(M.tiny_config(family), 1) == []
+    assert models.cp_problems(M.tiny_config("llama"), 4) == []
+
+
+class _Shift(nn.Module):  # a family cptune has never seen: a token shift it has no rule for
+    def forward(self, x):
+        return nn.functional.pad(x, (0, 0, 1, -1))
+
+
+def test_a_module_no_rule_knows_is_named_not_waved_through_and_can_be_vouched_for():
+    model = _meta("llama")
+    model.model.layers[1].mlp.shift = _Shift()
+    found = _mixers.model_mixers(model)
+    assert [m.path for m in found] == ["model.layers.1.mlp.shift"] and "cannot tell" in found[0].why, found
+    assert _mixers.model_mixers(model, token_wise=[_Shift]) == []
+    model.model.layers[0].mlp.conv = nn.Conv1d(4, 4, 1)  # a kernel of one position is per-token
+    model.model.layers[0].mlp.gru = nn.GRU(4, 4)
+    assert [m.kind for m in _mixers.model_mixers(model, ["_Shift"])] == ["GRU"]
+
+
+def _refused_in_block(family):
+    import cptune.hf
+
+    model = cptune.hf.enable(models.build_model(M.tiny_config(family), "cpu"))
+    ids, labels, positions = M._batch(False)
+    try:
+        with cptune.context_parallel(buffers=[ids, positions], seq_dims=[1, 1]):
+            model(input_ids=ids, position_ids=positions)
+    except cptune.ValidationError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_the_model_is_refused_at_its_first_forward_in_a_block_and_by_build_model(ranks):
+    for message in ranks(2).run(_refused_in_block, "lfm2"):
+        assert "model: is cp=2 but Lfm2ForCausalLM mixes tokens" in message, message
+    with pytest.raises(cptune.ValidationError, match="cp: is cp=2 but BambaForCausalLM mixes tokens"):
+        models.build_model(M.tiny_config("bamba"), "cpu", cp=2)
+
+
+def test_the_plan_proposes_neither_cp_for_a_hybrid_nor_tp_a_family_cannot_take(tmp_path):
+    from cptune.plan import dims_from_config, load_hardware, plan
+
+    for family in ("qwen3_next", "qwen3"):
+        M.tiny_config(family).save_pretrained(tmp_path / family)
+        path = str(tmp_path / family)
+        result = plan(dims_from_config(path), cptune.Workload(seq_len=8192, model=path, heads=4, kv_heads=2,
+                                                                   head_dim=16, layers=2 if family == "qwen3" else 4),
+                           load_hardware("h100"), 16)
+        shapes = [p.point.config.parallel_dims() for p in result.predictions]
+        problems = [models.mesh_problems(M.tiny_config(family), d) for d in shapes]
+        assert shapes and not any(problems), (family, problems[:1])
+        if family == "qwen3_next":
+            assert all(d.cp == 1 for d in shapes) and "cp > 1 is not possible" in result.header()
+
+
+def test_launch_names_a_bad_tp_override_once_before_any_rank_starts(tmp_path):
+    from tests._helpers import write_recipe
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=256)
+    config.save_pretrained(tmp_path / "m6")
+    workload = cptune.Workload(seq_len=64, batch=2, model=str(tmp_path / "m6"), heads=6, kv_heads=6, head_dim=16,
+                               layers=2)
+    recipe = write_recipe(tmp_path / "r.yaml", workload, cptune.CPConfig(mesh_shape=(1, 4)),
+                          script="cptune.examples.train_hf")
+    run = subprocess.run([sys.executable, "-m", "cptune", "launch", str(recipe), "config.mesh_shape=[1,1,1,4]", "--",
+                          "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.count("4 does not divide the 6 query heads") == 1, run.stderr
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr and "torch.distributed" not in \
+        run.stderr, run.stderr
