@@ -41,7 +41,7 @@ FAMILIES: dict[str, dict] = {
     "qwen3_5_text": GDN, "gemma": {}, "gemma2": SLIDING, "gemma3_text": SLIDING, "phi": {}, "phi3": {}, "olmo2": {},
     "olmo3": SLIDING, "olmoe": MOE, "granite": {}, "granitemoe": MOE,
     "deepseek_v3": {**MOE, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                    "v_head_dim": 16, "head_dim": 8},
+                    "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4},  # MLA: a key per query head
     "mixtral": MOE, "qwen2_moe": MOE, "gpt_oss": {**MOE, **SLIDING}, "glm4": {}, "glm4_moe": MOE, "smollm3": {},
     "cohere": {}, "cohere2": SLIDING, "ernie4_5": {}, "exaone4": SLIDING, "starcoder2": {}, "apertus": {},
     "seed_oss": {}, "lfm2": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2,
@@ -93,6 +93,32 @@ def _relative(grad: torch.Tensor, want: torch.Tensor) -> float:
     return (grad - want).abs().max().item() / scale if scale > 0 else (grad - want).abs().max().item()
 
 
+def _documents(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """The (start, end) of each document of a packed row (its positions restart at 0)."""
+    starts = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
+    return list(zip(starts, starts[1:]))
+
+
+def _one_process(model, ids, labels, positions, packed: bool) -> torch.Tensor:
+    """One process's loss (the mean over counted labels), its backward done. A packed row is what packing means: its
+    documents, each run alone (transformers 4.56's own forward of OLMoE and Qwen2-MoE attends across the documents
+    of a packed row; 5.x's keeps to them, and so does cptune)."""
+    import cptune
+
+    if not packed:
+        loss = model(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
+        loss.backward()
+        return loss
+    total = torch.zeros(())
+    for start, end in _documents(positions):
+        logits = model(input_ids=ids[:, start:end], position_ids=positions[:, start:end], use_cache=False).logits
+        total = total + torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), cptune.shift_labels(
+            labels[:, start:end]).flatten(), reduction="sum")
+    loss = total / (cptune.shift_labels(labels) != -100).sum()
+    loss.backward()
+    return loss
+
+
 def _refused(exc: Exception) -> dict:
     return {"status": "refused", "message": str(exc)}
 
@@ -104,16 +130,14 @@ def _cp_cell(family: str, strategy: str, packed: bool) -> dict:
     import cptune
     from cptune import models
 
-    config = tiny_config(family)
     ids, labels, positions = _batch(packed)
-    try:
-        reference = models.build_model(config, "cpu")
-        model = models.build_model(config, "cpu", ac="none")
+    try:  # a config each: on 4.x the model's attention implementation is its config's, shared
+        reference = models.build_model(tiny_config(family), "cpu")
+        model = models.build_model(tiny_config(family), "cpu", ac="none", cp=dist.get_world_size())
     except cptune.ValidationError as exc:
         return _refused(exc)
     reference.train()
-    want = reference(input_ids=ids, position_ids=positions, labels=labels, use_cache=False).loss
-    want.backward()
+    want = _one_process(reference, ids, labels, positions, packed)
     shifted = cptune.shift_labels(labels)
     config_cp = cptune.CPConfig(strategy=strategy, rotate_method="alltoall")
     buffers = {"input_ids": ids, "shift_labels": shifted, "position_ids": positions}
@@ -147,11 +171,11 @@ def _tp_cell(family: str) -> dict:
     from cptune import models
     from cptune.mesh import ParallelDims
 
-    config = tiny_config(family)
     dims = ParallelDims(1, 1, 2, 2)
     try:
-        reference = models.build_model(config, "cpu")
-        model = models.build_model(config, "cpu", fsdp_mesh=dims.model_mesh("cpu"), ac="none", cp=dims.cp)
+        reference = models.build_model(tiny_config(family), "cpu")
+        model = models.build_model(tiny_config(family), "cpu", fsdp_mesh=dims.model_mesh("cpu"), ac="none",
+                                    cp=dims.cp)
     except cptune.ValidationError as exc:
         return _refused(exc)
     ids, labels, positions = _batch(False)
@@ -238,6 +262,12 @@ def short(cell: dict) -> str:
         kinds = sorted(set(re.findall(r"a (\w+) over \d+ positions", text))
                        | set(re.findall(r"config.layer_types '(\w+)'", text)))
         return f"refused: token mixing ({', '.join(kinds)})"
+    if "unsplit" in text:
+        return "refused: MoE unsplit by TP plan"
+    if "column-wise with no row-wise" in text:
+        return "refused: TP plan leaves output split"
+    if "cannot build it on the meta device" in text:
+        return "refused: transformers too old"
     if "TP plan" in text:
         styles = sorted(set(re.findall(r": (\w+)(?:;|\))", text)))
         return f"refused: TP plan ({', '.join(styles)})" if styles else "refused: TP plan"
@@ -259,23 +289,31 @@ def table(matrix: dict[str, dict[str, dict]], version: str) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- matrix: begin (python -m benchmarks.matrix --update-docs) -->", "<!-- matrix: end -->"
 DOC = ROOT / "docs" / "transformers.md"
 
 
-def documented() -> str | None:
-    """The table docs/transformers.md holds (None: none yet)."""
+def _markers(version: str) -> tuple[str, str]:
+    """The docs' markers around the table of ``version``'s major release (one table for 5.x, one for 4.x)."""
+    major = version.split(".", 1)[0]
+    return (f"<!-- matrix, transformers {major}: begin (python -m benchmarks.matrix --update-docs) -->",
+            f"<!-- matrix, transformers {major}: end -->")
+
+
+def documented(version: str) -> str | None:
+    """The table docs/transformers.md holds for ``version``'s major release (None: none yet)."""
+    begin, end = _markers(version)
     text = DOC.read_text()
-    if BEGIN not in text:
+    if begin not in text:
         return None
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
 
 
-def update_docs(text: str) -> None:
+def update_docs(text: str, version: str) -> None:
+    begin, end = _markers(version)
     doc = DOC.read_text()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc:
-        doc = doc.split(BEGIN, 1)[0] + block + doc.split(END, 1)[1]
+    block = f"{begin}\n{text}\n{end}"
+    if begin in doc:
+        doc = doc.split(begin, 1)[0] + block + doc.split(end, 1)[1]
     else:
         doc = doc.rstrip() + "\n\n" + block + "\n"
     DOC.write_text(doc)
@@ -303,7 +341,7 @@ def main(argv: list[str]) -> int:
     out.write_text(json.dumps({"transformers": transformers.__version__, "torch": torch.__version__,
                                "matrix": matrix}, indent=1, default=str))
     if "--update-docs" in argv:
-        update_docs(text)
+        update_docs(text, transformers.__version__)
     return 1 if bad else 0
 
 

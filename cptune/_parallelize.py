@@ -16,16 +16,28 @@ from .errors import Problem, ValidationError
 from .mesh import MODEL_DIMS
 
 
+PER_HEAD = "replicated_with_grad_allreduce"
+"""transformers' style for a module between column- and row-parallel matmuls that acts on each head alone (Qwen3's,
+Gemma3's q/k norms over the head dim): replicated over tp, its gradient summed over tp."""
+_SHARDING = ("colwise", PER_HEAD)
+"""Styles whose output is this tp rank's share of the heads or features: a whole module beside them sees a share."""
+_ACTIVATIONS = ("transformers.activations", "torch.nn.modules.activation")
+
+
 def tp_styles() -> dict[str, Any]:
     """The transformers TP plan styles cptune applies, as torch's ``parallelize_module`` styles (torchtitan's
-    mapping); a plan with any other style is refused by name (:func:`tp_problems`)."""
+    mapping); a plan with any other style is refused by name (:func:`tp_problems`). ``replicated_with_grad_allreduce``
+    replicates the module's parameters over tp and declares its input this rank's share along dim 1 (heads or
+    sequence, never the normalized last dim), so the parameters' gradient is each rank's partial sum, all-reduced
+    over tp by DTensor as for the residual stream's norms."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     gather, split = ColwiseParallel(output_layouts=Replicate()), RowwiseParallel(input_layouts=Replicate())
     return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
             "colwise_gather_output": gather, "colwise_rep": gather,  # the names of transformers 5 and of 4.x
-            "rowwise_split_input": split, "rowwise_rep": split}
+            "rowwise_split_input": split, "rowwise_rep": split,
+            PER_HEAD: SequenceParallel(sequence_dim=1, use_local_output=True)}
 
 
 def unapplied_styles(plan: dict[str, str]) -> list[str]:
@@ -34,39 +46,67 @@ def unapplied_styles(plan: dict[str, str]) -> list[str]:
     return sorted({f"{key}: {style}" for key, style in plan.items() if style not in styles})
 
 
-def layer_plan(model: nn.Module) -> dict[str, Any]:
-    """The model's TP plan for one decoder layer: its own entries under ``layers.*.``, as torch styles."""
-    styles = tp_styles()
-    text = getattr(model.config, "get_text_config", lambda: model.config)()
-    return {key.split("layers.*.", 1)[1]: styles[style] for key, style in text.base_model_tp_plan.items()
+def layer_plan(config, layers: list[nn.Module]) -> dict[str, str]:
+    """``config``'s TP plan for its decoder ``layers`` (module under a layer -> style name): its own entries under
+    ``layers.*.``, and ``replicated_with_grad_allreduce`` for the modules a plan leaves whole beside split ones that
+    act on each head or feature alone: a module whose parameters are each one head's width (the per-head q/k norms of
+    Qwen3 and Gemma3 in transformers 4.x's plans) and an activation whose parameters are single numbers (Apertus'
+    xIELU beside its column-parallel up projection, which no release's plan names)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    plan = {key.split("layers.*.", 1)[1]: style for key, style in (text.base_model_tp_plan or {}).items()
             if key.startswith("layers.*.")}
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    for layer in layers:
+        for name in whole_beside_split(layer, plan):
+            module = layer.get_submodule(name)
+            params = list(module.parameters())
+            per_head = all(p.ndim == 1 and p.shape[0] == head_dim for p in params)
+            scalars = type(module).__module__ in _ACTIVATIONS and all(p.numel() == 1 for p in params)
+            if per_head or scalars:
+                plan[name] = PER_HEAD
+    return plan
 
 
-def whole_beside_split(layer: nn.Module, plan_keys: list[str]) -> list[str]:
-    """Modules with parameters that the plan leaves whole beside modules it splits (``self_attn.q_norm`` beside
-    ``self_attn.q_proj``, as transformers 4.x's Qwen3 plan does): they see each tp rank's share of the heads, so
-    each rank's gradient would be a part of the whole one. Norms on the residual stream (siblings of no split
-    module) see every rank's same activations and stay whole rightly."""
-    planned = set(plan_keys)
+def whole_beside_split(layer: nn.Module, plan: dict[str, str]) -> list[str]:
+    """Modules with parameters that ``plan`` (module -> style name) leaves whole beside modules whose output it
+    splits (``self_attn.q_norm`` beside a column-parallel ``self_attn.q_proj``, as transformers 4.x's Qwen3 plan
+    does): they see each tp rank's share of the heads, so each rank's gradient would be a part of the whole one.
+    Beside projections that gather their output (``colwise_gather_output``: OLMo2's q/k norms over every head) a
+    module sees the whole activations, as do norms on the residual stream (siblings of no split module): they stay
+    whole rightly."""
+    present = {key: plan[key] for key in present_keys(layer, plan)}
     found = []
     for prefix, module in layer.named_modules():
         names = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_children()]
-        if not planned.intersection(names):
+        if not any(present.get(name) in _SHARDING for name in names):
             continue
         found += [name for name, child in zip(names, module.children())
-                  if name not in planned and any(True for _ in child.parameters())]
+                  if name not in present and any(True for _ in child.parameters())]
     return found
+
+
+def unjoined_blocks(layer: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The blocks of ``layer`` (parents of planned modules) that ``plan`` splits column-wise with no row-parallel
+    matmul to join the shares again (transformers 4.56's Starcoder2 plan names its MLP's ``c_proj`` ``colwise``):
+    their output would leave the block split by feature."""
+    present = {key: plan[key] for key in present_keys(layer, plan)}
+    blocks = {key.rsplit(".", 1)[0] for key in present if "." in key}
+    return sorted(f"{block} ({', '.join(k for k in present if k.startswith(block + '.'))})" for block in blocks
+                  if any(present[k] == "colwise" for k in present if k.startswith(block + "."))
+                  and not any(present[k].startswith("rowwise") for k in present if k.startswith(block + ".")))
 
 
 def unsplit_blocks(layer: nn.Module, plan_keys: list[str]) -> list[str]:
     """The layer's children with parameters that the plan neither splits nor enters and that are not single
-    token-wise modules (an MoE block beside split attention, Mixtral's): under sequence parallelism each tp rank runs
-    them on its share of the tokens, so each rank's gradient would be a part of the whole one; only a norm-like leaf
-    (``SequenceParallel``) is made whole again."""
+    token-wise modules (an MoE block beside split attention, Mixtral's), or that it enters only through expert-wise
+    keys (transformers 4.x's ``block_sparse_moe.experts.*.w1``, which cptune does not apply): under sequence
+    parallelism each tp rank runs them on its share of the tokens, so each rank's gradient would be a part of the
+    whole one; only a norm-like leaf (``SequenceParallel``) is made whole again."""
     present = present_keys(layer, plan_keys)
     entered = set(present) | {key.rsplit(".", 1)[0] for key in present if "." in key}  # split, or a block
+    wildcard = {key.split(".", 1)[0] for key in plan_keys if "*" in key}  # 4.x's 'experts.*.w1': not applied
     return [f"{name} ({type(child).__name__})" for name, child in layer.named_children()
-            if name not in entered and any(True for _ in child.parameters())
+            if (name not in entered or name in wildcard) and any(True for _ in child.parameters())
             and any(True for _ in child.children())]
 
 
@@ -102,16 +142,18 @@ def sharder(mesh: Any, dtype: torch.dtype):
                              mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
 
 
-def sequence_parallel(layer: nn.Module, plan: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``plan`` with sequence parallelism, torchtitan's default beside TP: between the split blocks the residual
-    stream is split over tp by sequence, each tp rank holding its share of the tokens. The row-parallel matmuls that
+def sequence_parallel(layer: nn.Module, plan: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """``plan`` (module -> style name) as torch styles, with sequence parallelism, torchtitan's default beside TP:
+    between the split blocks the residual stream is split over tp by sequence, each tp rank holding its share of the
+    tokens. The row-parallel matmuls that
     end a block reduce-scatter their output by sequence instead of all-reducing it; the layer's own token-wise
     modules with parameters (its norms) run on the tokens a rank holds; the blocks (the parents of split modules,
     returned) all-gather their input (:func:`gather_block_inputs`). Returns (the plan, the blocks)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel, SequenceParallel
 
-    plan = {key: plan[key] for key in present_keys(layer, plan)}
+    styles = tp_styles()
+    plan = {key: styles[plan[key]] for key in present_keys(layer, plan)}
     blocks = sorted({key.rsplit(".", 1)[0] for key in plan if "." in key})
     out = {key: RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=Shard(1))
            if isinstance(style, RowwiseParallel) else style for key, style in plan.items()}
@@ -177,8 +219,8 @@ def split_sequence(layers: list[nn.Module], tp_mesh: Any) -> None:
     layers[-1].register_forward_hook(gather)
 
 
-def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> None:
-    """``layer`` split over ``tp_mesh`` by ``plan`` (torch styles) with sequence parallelism (:func:`sequence_parallel`,
+def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
+    """``layer`` split over ``tp_mesh`` by ``plan`` (style names) with sequence parallelism (:func:`sequence_parallel`,
     :func:`gather_block_inputs`); the layers' ends are :func:`split_sequence`'s."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -187,7 +229,7 @@ def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, Any]) -> None:
     gather_block_inputs(layer, blocks, tp_mesh)
 
 
-def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None, shard: Any) -> None:
+def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, str] | None, shard: Any) -> None:
     """One decoder layer (or the root, ``plan`` None): split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`), then
     sharded by ``shard`` (:func:`sharder`; None: not sharded). ``build_model`` takes it a layer at a time, each
     made just before; :func:`parallelize_layers` is the same for layers already made."""
@@ -198,7 +240,7 @@ def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, Any] | None,
 
 
 def parallelize_layers(model: nn.Module, layers: list[nn.Module] | nn.ModuleList, tp_mesh: Any,
-                       plan: dict[str, Any] | None, shard: Any, wrap: Callable[[nn.Module], nn.Module] | None = None
+                       plan: dict[str, str] | None, shard: Any, wrap: Callable[[nn.Module], nn.Module] | None = None
                        ) -> None:
     """Each of ``layers`` split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`; neither: not split), then replaced in
     ``layers`` by ``wrap(layer)`` (AC, compile), then sharded by ``shard`` (:func:`sharder`; None: not sharded); with
@@ -238,6 +280,6 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, mesh: Any = None, tp_pl
             raise ValidationError([Problem("tp_plan", f"names {', '.join(missing)}, not modules of a "
                                            f"{type(layers[0]).__name__}", "name modules under a block, e.g. "
                                            f"{sorted(named - {''})[:3]}")])
-        plan = {key: styles[style] for key, style in tp_plan.items()}
+        plan = tp_plan
     parallelize_layers(model, layers, tp_mesh, plan, sharder(data, dtype), wrap)
     return model

@@ -166,13 +166,19 @@ def tp_problems(config, tp: int, argument: str = "mesh.tp", model: nn.Module | N
     problems = [Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan has styles cptune does not apply "
                         f"({'; '.join(odd)})", f"use tp=1 for this model (cptune applies {', '.join(P.tp_styles())})")
                 ] if odd else []
-    keys = [key.split("layers.*.", 1)[1] for key in plan if key.startswith("layers.*.")]
     layers = decoder_layers(model or _empty_model(config))
-    whole = sorted({name for layer in layers for name in P.whole_beside_split(layer, P.present_keys(layer, keys))})
+    keys = P.layer_plan(config, layers)
+    whole = sorted({name for layer in layers for name in P.whole_beside_split(layer, keys)})
     if whole:
         problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan leaves {', '.join(whole)} "
                                 "whole beside the modules it splits: each tp rank's gradient there would be a part "
                                 "of the whole one", "use tp=1 for this model"))
+    unjoined = sorted({name for layer in layers for name in P.unjoined_blocks(layer, keys)})
+    if unjoined:
+        problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan splits {', '.join(unjoined)} "
+                                "column-wise with no row-wise matmul after: the block's output would stay split by "
+                                "feature", "use tp=1 for this model (or a transformers release whose plan joins it: "
+                                "pip install -U transformers)"))
     blocks = sorted({name for layer in layers for name in P.unsplit_blocks(layer, keys)})
     if blocks:
         problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan leaves {', '.join(blocks)} "
@@ -236,7 +242,7 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     if ac is not None:
         _prepare(model, ac, compile)
     layers, shard = decoder_layers(model), P.sharder(fsdp_mesh, dtype)
-    plan = P.layer_plan(model) if tp_mesh is not None else None
+    plan = P.layer_plan(config, layers) if tp_mesh is not None else None
     inside = {id(m) for layer in layers for m in layer.modules()}
     rest = [m for m in model.modules() if id(m) not in inside]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -261,6 +267,10 @@ def _empty_model(config) -> nn.Module:
         try:
             return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                                  dtype=torch.float32)
+        except RuntimeError as exc:  # an _init_weights that assigns .data (Bamba's on 4.56) fails on the meta device
+            raise ValidationError([Problem("model", f"{type(config).__name__}: transformers {transformers.__version__}"
+                                           f" cannot build it on the meta device ({str(exc).splitlines()[0][:160]})",
+                                           "pip install -U transformers (verified: 5.25)")]) from None
         except ValueError as exc:  # e.g. 'Gemma2ForCausalLM does not support an attention implementation through SDPA'
             if "attention implementation" not in str(exc):
                 raise
@@ -290,7 +300,9 @@ def _parameters_on_meta():
     without buffers, the rule ``from_pretrained`` loads by). A model's buffers are what its ``__init__``
     computes (rotary frequencies, embedding scales): built on meta they would have no value, and not every
     transformers release's ``_init_weights`` computes them again (4.56 and 4.57 leave ``inv_freq`` as
-    uninitialized memory after ``to_empty``). Small parameters keep their value likewise (:data:`_KEPT_PARAMETER`)."""
+    uninitialized memory after ``to_empty``). Small parameters keep their value likewise (:data:`_KEPT_PARAMETER`).
+    Every floating parameter is float32, also one a module makes in another dtype whatever the model's (transformers
+    4.56's xIELU makes its scalars bfloat16): FSDP2 takes one dtype a unit, and the build promises float32."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -301,7 +313,8 @@ def _parameters_on_meta():
                 module.__dict__.setdefault("_cptune_made", {})[name] = held.detach().clone()
             kind = type(held)
             extra = dict(held.__dict__)
-            module._parameters[name] = kind(held.to("meta"), requires_grad=held.requires_grad)
+            dtype = torch.float32 if held.is_floating_point() else held.dtype  # xIELU's bf16 scalars on 4.56 too
+            module._parameters[name] = kind(held.to("meta", dtype), requires_grad=held.requires_grad)
             module._parameters[name].__dict__.update(extra)
 
     nn.Module.register_parameter = on_meta
@@ -365,7 +378,8 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
     shard = P.sharder(fsdp_mesh, dtype)
     if shard is None:
         model.to(dtype)
-    P.parallelize_layers(model, decoder_layers(model), tp_mesh, P.layer_plan(model) if tp_mesh is not None else None,
+    layers = decoder_layers(model)
+    P.parallelize_layers(model, layers, tp_mesh, P.layer_plan(model.config, layers) if tp_mesh is not None else None,
                          shard)
     return model
 

@@ -21,19 +21,25 @@ HYBRIDS = {"qwen3_next": "Conv1d", "qwen3_5_text": "Conv1d", "lfm2": "Conv1d", "
 
 def test_every_cell_is_exact_or_refused_by_name_and_the_docs_hold_the_table(ranks):
     matrix = M.run(ranks(2), ranks(4))
-    assert len(matrix) >= 30 or transformers.__version__.startswith("4."), sorted(matrix)
+    floor = transformers.__version__.startswith("4.")
+    assert len(matrix) >= (30 if not floor else 25), sorted(matrix)
     bad = {(f, c): cell for f, cells in matrix.items() for c, cell in cells.items()
            if cell["status"] not in ("exact", "refused", "no plan")}
     assert not bad, bad
     for family, kind in HYBRIDS.items():
-        if family in matrix:  # silently wrong before: refused by name, in every cell
-            for label, cell in matrix[family].items():
-                assert cell["status"] == "refused" and kind in cell["message"] \
-                    and "mixes tokens outside attention" in cell["message"], (family, label, cell)
-    for family in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "deepseek_v3", "olmo3"):
-        assert all(matrix[family][c]["status"] == "exact" for c in M.CP_CELLS), (family, matrix[family])
-    assert matrix["llama"][M.TP_CELL]["status"] == "exact"
-    documented = M.documented()
+        for label, cell in matrix.get(family, {}).items():  # silently wrong before: refused by name, in every cell
+            named = kind in cell.get("message", "") and "mixes tokens outside attention" in cell["message"]
+            meta = floor and "cannot build it on the meta device" in cell.get("message", "")  # Bamba on 4.56
+            assert cell["status"] == "no plan" and label == M.TP_CELL or cell["status"] == "refused" and (
+                named or meta), (family, label, cell)
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "deepseek_v3", "olmo3", "olmoe",
+                   "apertus"):
+        if family in matrix:  # OLMo3 is newer than 4.56
+            assert all(matrix[family][c]["status"] == "exact" for c in M.CP_CELLS), (family, matrix[family])
+    for family in ("llama", "qwen3", "gemma3_text", "olmo2", "exaone4", "apertus"):  # q/k norms: replicated over tp
+        assert matrix[family][M.TP_CELL]["status"] == "exact", (family, matrix[family][M.TP_CELL])
+    documented = M.documented(transformers.__version__)
+    assert documented is not None or floor, "run python -m benchmarks.matrix --update-docs"
     if documented is not None and f"transformers {transformers.__version__})" in documented.splitlines()[0]:
         assert documented == M.table(matrix, transformers.__version__), "run python -m benchmarks.matrix --update-docs"
 
@@ -45,7 +51,13 @@ def _meta(family):
 @pytest.mark.parametrize("family,named", [("qwen3_next", "linear_attn.conv1d"), ("lfm2", "conv.conv"),
                                           ("bamba", "mamba.conv1d"), ("minimax", "'linear_attention'")])
 def test_the_rule_names_each_layer_that_mixes_tokens(family, named):
-    problems = models.cp_problems(M.tiny_config(family), 2)
+    if M.tiny_config(family) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    try:
+        problems = models.cp_problems(M.tiny_config(family), 2)
+    except cptune.ValidationError as exc:  # Bamba on 4.56: refused by name, before the layer rule can look
+        assert "cannot build it on the meta device" in str(exc) and transformers.__version__.startswith("4."), exc
+        pytest.skip(str(exc))
     assert len(problems) == 1 and named in problems[0].message and "Fix:" in str(problems[0]), problems
     assert models.cp_problems(M.tiny_config(family), 1) == []
     assert models.cp_problems(M.tiny_config("llama"), 4) == []
@@ -83,24 +95,25 @@ def _refused_in_block(family):
 def test_the_model_is_refused_at_its_first_forward_in_a_block_and_by_build_model(ranks):
     for message in ranks(2).run(_refused_in_block, "lfm2"):
         assert "model: is cp=2 but Lfm2ForCausalLM mixes tokens" in message, message
-    with pytest.raises(cptune.ValidationError, match="cp: is cp=2 but BambaForCausalLM mixes tokens"):
-        models.build_model(M.tiny_config("bamba"), "cpu", cp=2)
+    with pytest.raises(cptune.ValidationError, match="cp: is cp=2 but Lfm2ForCausalLM mixes tokens"):
+        models.build_model(M.tiny_config("lfm2"), "cpu", cp=2)
 
 
 def test_the_plan_proposes_neither_cp_for_a_hybrid_nor_tp_a_family_cannot_take(tmp_path):
     from cptune.plan import dims_from_config, load_hardware, plan
 
-    for family in ("qwen3_next", "qwen3"):
+    for family in [f for f in ("qwen3_next", "qwen3", "qwen3_moe") if M.tiny_config(f) is not None]:
         M.tiny_config(family).save_pretrained(tmp_path / family)
         path = str(tmp_path / family)
         result = plan(dims_from_config(path), cptune.Workload(seq_len=8192, model=path, heads=4, kv_heads=2,
-                                                                   head_dim=16, layers=2 if family == "qwen3" else 4),
+                                                                   head_dim=16, layers=4 if family == "qwen3_next" else 2),
                            load_hardware("h100"), 16)
         shapes = [p.point.config.parallel_dims() for p in result.predictions]
         problems = [models.mesh_problems(M.tiny_config(family), d) for d in shapes]
         assert shapes and not any(problems), (family, problems[:1])
         if family == "qwen3_next":
             assert all(d.cp == 1 for d in shapes) and "cp > 1 is not possible" in result.header()
+        assert any(d.tp > 1 for d in shapes) == (family == "qwen3"), (family, shapes)  # q/k norms split; MoE not
 
 
 def test_launch_names_a_bad_tp_override_once_before_any_rank_starts(tmp_path):

@@ -13,8 +13,10 @@ import torch.distributed as dist
 
 import cptune
 from cptune import models
+from cptune._parallelize import PER_HEAD
 from cptune.mesh import ParallelDims
-from tests.test_build import _config, _save
+from benchmarks import matrix as M
+from tests.test_build import FAMILIES, _config, _save
 
 transformers = pytest.importorskip("transformers")
 
@@ -66,24 +68,27 @@ def _tp_case(folder, dims, ac="none", compile=False, export=None):
 
 
 def _plan_split(name: str, config) -> bool:
-    """Whether parameter ``name`` belongs to a module the model's TP plan splits."""
-    plan = config.base_model_tp_plan
+    """Whether parameter ``name`` belongs to a module the model's TP plan splits (a replicated q/k norm is not)."""
+    plan = {key: style for key, style in config.base_model_tp_plan.items() if style != PER_HEAD}
     return any(name.startswith("model.layers.") and name.split(".", 3)[3].startswith(key.split("*.", 1)[1] + ".")
                for key in plan)
 
 
 def test_a_checkpoint_loads_into_tp_and_fsdp_shards_and_trains_exactly(ranks, tmp_path):
-    """tp2·cp2: Llama (colwise / rowwise) from a bf16 checkpoint in several files, with its export; Phi3 (fused
-    q/k/v and gate/up: gathered output, split input); Llama again under selective AC, compiled where this
+    """tp2·cp2: Llama (colwise / rowwise) from a bf16 checkpoint in several files, with its export; Qwen3 and Gemma3
+    (per-head q/k norms replicated over tp, their gradients summed over tp) likewise, Gemma3 under selective AC; Phi3
+    (fused q/k/v and gate/up: gathered output, split input); Llama again under selective AC, compiled where this
     transformers can compile it with AC. dp2·tp2 under selective AC (compiled likewise); tp4 (a Llama with 4
     key/value heads) under full AC."""
     kv4 = _config("llama", False)
     kv4.num_key_value_heads = 4
-    folders = {f: str(_save(_config(f, False), tmp_path / f)) for f in ("llama", "phi3")}
+    folders = {f: str(_save(_config(f, False), tmp_path / f)) for f in ("llama", "phi3", "qwen3", "gemma3_text")}
     folders["llama-kv4"] = str(_save(kv4, tmp_path / "llama-kv4"))
-    assert len(list((tmp_path / "llama").glob("*.safetensors"))) >= 3
+    assert all(len(list((tmp_path / f).glob("*.safetensors"))) >= 3 for f in ("llama", "qwen3", "gemma3_text"))
     compiled = not models.training_problems("selective", True)  # compiled where it can
     cases = [("llama", TP_CP, "none", False, str(tmp_path / "export")), ("phi3", TP_CP, "none", False, None),
+             ("qwen3", TP_CP, "none", False, str(tmp_path / "export-qwen3")),
+             ("gemma3_text", TP_CP, "selective", False, str(tmp_path / "export-gemma3")),
              ("llama", TP_CP, "selective", compiled, None), ("llama", DP_TP, "selective", compiled, None),
              ("llama-kv4", TP4, "full", False, None)]
     group = ranks(4)
@@ -104,13 +109,50 @@ def test_a_checkpoint_loads_into_tp_and_fsdp_shards_and_trains_exactly(ranks, tm
 
 
 @pytest.mark.parametrize("family,tp,match", [
-    # transformers 5 names q_norm / k_norm's style; 4.x's plan leaves them out, whole beside the split q / k
-    ("qwen3", 2, r"mesh.tp: is 2 but Qwen3Config's TP plan (has styles cptune does not apply \(layers.\*.self_attn"
-                 r".k_norm: replicated_with_grad_allreduce|leaves self_attn.q_norm, self_attn.k_norm whole)"),
+    ("qwen3_moe", 2, r"mesh.tp: is 2 but Qwen3MoeConfig's TP plan leaves mlp \(Qwen3MoeSparseMoeBlock\) unsplit"),
     ("llama", 4, r"mesh.tp: 4 does not divide the 2 key/value heads. Fix: use a tp that divides 2"),
 ])
 def test_a_model_the_tp_cannot_split_is_refused_by_name(family, tp, match):
-    config = _config(family, False)
+    config = _config(family, False) if family in FAMILIES else M.tiny_config(family)
     problems = models.tp_problems(config, tp)
     assert problems and any(re.search(match, str(p)) for p in problems), problems
     assert models.tp_problems(config, 1) == []
+
+
+def _layer(family: str, plan: dict[str, str]):
+    """A meta-device decoder layer of ``family``'s tiny config, with ``plan`` (the part under layers.*.) as its TP
+    plan: the plans other transformers releases write, on this release's modules."""
+    config = M.tiny_config(family)
+    config.base_model_tp_plan = {f"layers.*.{key}": style for key, style in plan.items()}
+    return config, models.decoder_layers(models._empty_model(config))
+
+
+ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+             "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+             "mlp.down_proj": "rowwise"}
+
+
+def test_the_plans_of_every_release_are_read_by_one_rule():
+    """transformers 4.x's Qwen3 plan leaves the per-head q/k norms out: they get 5.x's style, found by their width. A
+    norm over every head beside column-parallel projections (OLMo2 under a plan that does not gather them) is
+    refused; beside gathered ones it stays whole. A block split column-wise and never joined (4.56's Starcoder2),
+    and an MoE block split expert by expert (4.56's Mixtral), are refused by name."""
+    from cptune import _parallelize as P
+
+    config, layers = _layer("qwen3", ATTENTION)
+    assert P.layer_plan(config, layers) == {**ATTENTION, "self_attn.q_norm": PER_HEAD, "self_attn.k_norm": PER_HEAD}
+    assert models.tp_problems(config, 2, model=models._empty_model(config)) == []
+    config, _ = _layer("olmo2", ATTENTION)
+    assert any("leaves self_attn.k_norm, self_attn.q_norm whole beside" in str(p) for p in models.tp_problems(config, 2))
+    gathered = {**ATTENTION, **{f"self_attn.{m}_proj": "colwise_gather_output" for m in "qkv"},
+                "self_attn.o_proj": "rowwise_split_input"}
+    config, layers = _layer("olmo2", gathered)
+    assert P.layer_plan(config, layers) == gathered and models.tp_problems(config, 2) == []
+    config, _ = _layer("starcoder2", {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
+                                      "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
+                                      "mlp.c_fc": "colwise", "mlp.c_proj": "colwise"})
+    assert any("splits mlp (mlp.c_fc, mlp.c_proj) column-wise with no row-wise matmul" in str(p)
+               for p in models.tp_problems(config, 2))
+    config, _ = _layer("mixtral", {**{k: v for k, v in ATTENTION.items() if k.startswith("self_attn")},
+                                   "mlp.gate": "colwise_gather_output", "mlp.experts.*.w1": "colwise"})
+    assert any(re.search(r"leaves \w+ \(MixtralSparseMoeBlock\) unsplit", str(p)) for p in models.tp_problems(config, 2))
