@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from .attention import documents_from_cu_seqlens, packed_documents
-from ._mixers import cp_problems, model_mixers
+from ._gathered import run_whole
+from ._mixers import cp_problems, model_coverage
 from ._loss import IGNORE_INDEX
 from ._session import active
 from .context import scaled_dot_product_attention
@@ -131,7 +132,9 @@ def enable(model: nn.Module, token_wise: Iterable[type | str] = ()) -> nn.Module
     _register()
     vouched = {*getattr(model, "_cptune_token_wise", ()), *(t if isinstance(t, str) else t.__name__ for t in token_wise)}
     model._cptune_token_wise = vouched  # a later enable (cptune.models, the Trainer) keeps what the user vouched for
-    model._cptune_mixers = model_mixers(model, vouched)
+    blocks, model._cptune_mixers = model_coverage(model, vouched)  # the blocks exact by the generic path
+    for block in blocks.values():
+        run_whole(block)
     if not getattr(model, "_cptune_hook", None):
         current = getattr(model.config, "_attn_implementation", None)
         model._cptune_outside = current if current not in (None, ATTN_IMPLEMENTATION) else "sdpa"

@@ -15,7 +15,10 @@ embedding (it reads the position ids the block shards), an MoE router or experts
   instead of waving it through (``token_wise=`` vouches for a class that is per-token).
 
 Under cp > 1 each rank would run these on its shard alone: the recurrence or convolution restarts at every shard
-boundary and the gradients are silently wrong. This module imports nothing of cptune's but the errors.
+boundary and the gradients are silently wrong. :func:`covered` finds the module of a decoder layer that holds each
+one (Gated DeltaNet's ``linear_attn``, LFM2's ``conv``, Mamba's ``mamba``, MiniMax's lightning ``self_attn``), which
+cptune's generic path runs whole over the gathered sequence (:mod:`cptune._gathered`): exact. What no such module
+covers is refused by name. This module imports nothing of cptune's but the errors.
 """
 
 from __future__ import annotations
@@ -126,6 +129,50 @@ def model_mixers(model: nn.Module, token_wise: Iterable[type | str] = ()) -> lis
     return token_mixers(model, getattr(model, "config", None), decoder_layers(model, required=False), token_wise)
 
 
+def model_coverage(model: nn.Module, token_wise: Iterable[type | str] = ()) -> tuple[dict[str, nn.Module],
+                                                                                       list[Mixer]]:
+    """:func:`covered` of a transformers model's :func:`model_mixers`: (what the generic path runs whole, what is
+    left to refuse)."""
+    return covered(model, model_mixers(model, token_wise), decoder_layers(model, required=False))
+
+
+_ATTENTION_CHILD = re.compile(r"(attn|attention)$", re.I)
+
+
+def covered(model: nn.Module, mixers: list[Mixer], layers: list[nn.Module]) -> tuple[dict[str, nn.Module],
+                                                                                      list[Mixer]]:
+    """(the modules cptune's generic path runs whole over the gathered sequence, path -> module; the mixers none of
+    them covers). A mixing leaf inside a decoder layer is covered by the layer's child that holds it (Gated DeltaNet's
+    ``linear_attn`` around its conv1d, LFM2's ``conv``, Mamba's ``mamba``); a layer whose ``layer_types`` kind mixes
+    is covered by such a child, or else by its one attention child (MiniMax's lightning attention, whose recurrence
+    is inline). Left: leaves no rule knows (cptune cannot tell what they do), mixing leaves that are a layer's own
+    children or outside the layers."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    layer_paths = [paths[id(layer)] for layer in layers if id(layer) in paths]
+    blocks: dict[str, nn.Module] = {}
+    left: list[Mixer] = []
+    by_layer = [m for m in mixers if m.path in layer_paths]
+    for m in mixers:
+        if m in by_layer:
+            continue
+        owner = next((lp for lp in layer_paths if m.path.startswith(f"{lp}.")), None)
+        child = m.path[len(owner) + 1:].split(".", 1)[0] if owner is not None else ""
+        if "cannot tell" in m.why or owner is None or f"{owner}.{child}" == m.path:
+            left.append(m)
+            continue
+        blocks[f"{owner}.{child}"] = model.get_submodule(f"{owner}.{child}")
+    for m in by_layer:
+        if any(path.startswith(f"{m.path}.") for path in blocks):
+            continue
+        layer = model.get_submodule(m.path)
+        attention = [name for name, _ in layer.named_children() if _ATTENTION_CHILD.search(name)]
+        if len(attention) == 1:
+            blocks[f"{m.path}.{attention[0]}"] = layer.get_submodule(attention[0])
+        else:
+            left.append(m)
+    return blocks, left
+
+
 def _layer_of(path: str) -> tuple[str, str]:
     """('layers.3', 'linear_attn.conv1d') of 'model.layers.3.linear_attn.conv1d'; ('', path) outside layers."""
     match = re.search(r"(?:^|\.)(layers|h|blocks)\.(\d+)(?:\.|$)", path)
@@ -151,12 +198,14 @@ def describe(mixers: list[Mixer]) -> str:
 
 
 def cp_problems(model_name: str, mixers: list[Mixer], cp: int, argument: str) -> list[Problem]:
-    """The refusal of ``mixers`` under ``cp`` ranks (none when cp is 1 or there are none)."""
+    """The refusal of ``mixers`` (those no path covers: :func:`covered`) under ``cp`` ranks (none when cp is 1 or
+    there are none)."""
     if cp <= 1 or not mixers:
         return []
-    return [Problem(argument, f"is cp={cp} but {model_name} mixes tokens outside attention, which cptune does not "
-                    f"make exact across CP ranks yet: {describe(mixers)}. Each rank would run these on its shard "
-                    "alone, restarting them at every shard boundary (silently wrong gradients)",
-                    "train this model with cp=1 (data parallelism, FSDP2 or tp) until cptune supports its layers; "
-                    "if a module named is in fact per-token, vouch for it with "
-                    "cptune.hf.enable(model, token_wise=[its class])")]
+    return [Problem(argument, f"is cp={cp} but {model_name} mixes tokens outside attention where cptune cannot make "
+                    f"it exact across CP ranks: {describe(mixers)}. Each rank would run these on its shard alone, "
+                    "restarting them at every shard boundary (silently wrong gradients)",
+                    "if a module named is in fact per-token, vouch for it with cptune.hf.enable(model, "
+                    "token_wise=[its class]); a layer that mixes tokens is exact under CP when it is a module of a "
+                    "decoder layer (cptune runs that module whole over the gathered sequence); else train this model "
+                    "with cp=1 (data parallelism, FSDP2 or tp)")]

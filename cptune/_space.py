@@ -45,6 +45,19 @@ def model_limits(workload: Workload, degrees: tuple[int, ...]) -> tuple[tuple[in
             refused[0].message.replace("is cp=2 but ", "") if refused else None)
 
 
+def whole_layers(workload: Workload) -> str | None:
+    """What cptune's generic path runs whole on every rank under cp > 1 for a ``--model`` workload ('3 x
+    Qwen3NextGatedDeltaNet'), or None (:func:`cptune.models.whole_layers`)."""
+    if workload.model is None:
+        return None
+    from collections import Counter
+
+    from . import models
+
+    kinds = Counter(models.whole_layers(models.load_config(workload.model, workload.model_overrides)).values())
+    return ", ".join(f"{n} x {kind}" for kind, n in kinds.items()) or None
+
+
 def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
            ) -> list[tuple[int, ...]]:
     """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees`` and a dp_replicate among ``replicas``: (dp,

@@ -22,7 +22,6 @@ functions say which extra to install.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from collections.abc import Iterable, Mapping
@@ -34,6 +33,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import _mixers, _parallelize as P, _weights
+from ._meta import materialize as _materialize, parameters_on_meta as _parameters_on_meta
 from ._mixers import decoder_layers
 from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ._hf import enable
@@ -166,7 +166,13 @@ def tp_problems(config, tp: int, argument: str = "mesh.tp", model: nn.Module | N
     problems = [Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan has styles cptune does not apply "
                         f"({'; '.join(odd)})", f"use tp=1 for this model (cptune applies {', '.join(P.tp_styles())})")
                 ] if odd else []
-    layers = decoder_layers(model or _empty_model(config))
+    made = model or _empty_model(config)
+    layers = decoder_layers(made)
+    mixers = _mixers.model_mixers(made)
+    if mixers:  # the generic path gathers over cp; under sequence parallelism their input is split over tp too
+        problems.append(Problem(argument, f"is {tp} but {type(made).__name__} has layers that mix tokens outside "
+                                f"attention ({_mixers.describe(mixers)}), which cptune does not split over tp",
+                                "use tp=1 for this model (cp > 1 runs them exactly)"))
     keys = P.layer_plan(config, layers)
     whole = sorted({name for layer in layers for name in P.whole_beside_split(layer, keys)})
     if whole:
@@ -200,7 +206,14 @@ def cp_problems(config, cp: int, argument: str = "config.mesh_shape", model: nn.
     if cp <= 1:
         return []
     made = model if model is not None else _empty_model(config)
-    return _mixers.cp_problems(type(made).__name__, _mixers.model_mixers(made, token_wise), cp, argument)
+    return _mixers.cp_problems(type(made).__name__, _mixers.model_coverage(made, token_wise)[1], cp, argument)
+
+
+def whole_layers(config, model: nn.Module | None = None) -> dict[str, str]:
+    """The modules of ``config``'s model that mix tokens outside attention and that cptune's generic path runs whole
+    over the gathered sequence under cp > 1 (:mod:`cptune._gathered`): path -> class name."""
+    made = model if model is not None else _empty_model(config)
+    return {path: type(m).__name__ for path, m in _mixers.model_coverage(made)[0].items()}
 
 
 def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape",
@@ -287,63 +300,6 @@ def check_weights(config, weights: str | Path, argument: str = "weights") -> Non
     raise_if(_weights.weight_problems(_empty_model(config), _weights.stored_tensors(weights, argument), argument))
 
 
-_KEPT_PARAMETER = 4096
-"""Parameters this small keep the value their module's ``__init__`` gave them through the meta-device build (a
-learned activation's scalars, Apertus' xIELU): ``_init_weights`` does not set every parameter, and one it leaves
-would be uninitialized memory after ``to_empty``, different on every rank."""
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    """Inside: every parameter a module registers goes to the meta device (nothing allocated, initializers run on
-    meta), every buffer is made where its module makes it, with its value (accelerate's ``init_empty_weights``
-    without buffers, the rule ``from_pretrained`` loads by). A model's buffers are what its ``__init__``
-    computes (rotary frequencies, embedding scales): built on meta they would have no value, and not every
-    transformers release's ``_init_weights`` computes them again (4.56 and 4.57 leave ``inv_freq`` as
-    uninitialized memory after ``to_empty``). Small parameters keep their value likewise (:data:`_KEPT_PARAMETER`).
-    Every floating parameter is float32, also one a module makes in another dtype whatever the model's (transformers
-    4.56's xIELU makes its scalars bfloat16): FSDP2 takes one dtype a unit, and the build promises float32."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        held = module._parameters.get(name)
-        if held is not None and not held.is_meta:
-            if held.numel() <= _KEPT_PARAMETER:  # the value __init__ gave it, in case _init_weights sets none
-                module.__dict__.setdefault("_cptune_made", {})[name] = held.detach().clone()
-            kind = type(held)
-            extra = dict(held.__dict__)
-            dtype = torch.float32 if held.is_floating_point() else held.dtype  # xIELU's bf16 scalars on 4.56 too
-            module._parameters[name] = kind(held.to("meta", dtype), requires_grad=held.requires_grad)
-            module._parameters[name].__dict__.update(extra)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
-@torch.no_grad()
-def _materialize(model: nn.Module, modules: list[nn.Module], device: torch.device, seed: int, unit: int) -> None:
-    """``modules``' own parameters and buffers on ``device``: parameters initialized by the model's
-    ``_init_weights`` from a generator state that depends on (seed, unit) only, buffers holding the values the
-    modules computed when made (then ``_init_weights``', where it sets them); tied weights tied again."""
-    for m in modules:
-        made = {name: b for name, b in m._buffers.items() if b is not None and not b.is_meta}
-        m.to_empty(device=device, recurse=False)
-        for name, value in made.items():
-            m._buffers[name].copy_(value)
-        for name, value in m.__dict__.get("_cptune_made", {}).items():
-            if m._parameters.get(name) is not None:
-                m._parameters[name].copy_(value)
-    if unit == 0 and hasattr(model, "tie_weights"):  # the root's: lm_head shares the embedding when tied
-        model.tie_weights()
-    torch.manual_seed(seed * 1_000_003 + unit)
-    for m in modules:
-        model._init_weights(m)
-
-
 def training_problems(ac: str, compile: bool) -> list[Problem]:
     """What this transformers cannot train right under CP: compile with activation checkpointing before the
     releases that have ``activation_checkpointing_enable`` (found by that name, not by version)."""
@@ -409,5 +365,5 @@ check_export = _weights.check_export
 export_model = _weights.export_model
 
 __all__ = ["attention_shape", "build_model", "check_export", "check_weights", "config_path", "cp_problems",
-           "decoder_layers", "mesh_problems",
+           "decoder_layers", "mesh_problems", "whole_layers",
            "export_model", "load_config", "model_workload", "parse_overrides", "prepare_for_training", "tp_problems"]

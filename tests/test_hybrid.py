@@ -1,0 +1,124 @@
+"""Hybrid models under CP by the generic path (cptune/_gathered.py): each layer that mixes tokens outside attention
+(Gated DeltaNet, LFM2's short convolution, Mamba2) runs whole over the sequence gathered over cp, and each rank keeps
+its positions. On 2 real ranks, one such layer fed the same input as one process gives the same output, input
+gradient and parameter gradients (float32, 1e-5 of each tensor's largest), under the ring with and without load
+balancing and under Ulysses, and with packed documents restarting the layer at each document. Whole models of every
+hybrid family are in the support matrix (tests/test_matrix.py)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cptune
+from benchmarks import matrix as M
+from cptune import _gathered, models
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = {"qwen3_next": "linear_attn", "qwen3_5_text": "linear_attn", "lfm2": "conv", "bamba": "mamba"}
+SEQ = 32
+LENGTHS = (11, 5, 16)
+
+
+def _layer(family: str) -> torch.nn.Module:
+    model = models.build_model(M.tiny_config(family), "cpu")
+    index = next(i for i, layer in enumerate(model.model.layers) if hasattr(layer, LAYERS[family]))
+    return getattr(model.model.layers[index], LAYERS[family])
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def _one_layer(family: str, config: dict, packed: bool) -> dict[str, float]:
+    """The layer's output, input gradient and parameter gradients on this rank's positions under the block, summed
+    over ranks, against one process on the whole sequence (each document alone when packed), whose loss is summed
+    the same way: each rank's positions' share, backward, then the next (a Gated DeltaNet's A_log and dt_bias
+    gradients are sums that nearly cancel, which move by 5e-5 of their largest from how they are grouped)."""
+    from cptune import attention as A
+    from cptune._session import active
+
+    module = _layer(family)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, SEQ, M.BASE["hidden_size"], generator=gen, requires_grad=True)
+    weight = torch.randn(2, SEQ, M.BASE["hidden_size"], generator=gen)
+    documents = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)]).view(1, SEQ) if packed else None
+
+    _gathered.run_whole(module)
+    ids = torch.zeros(1, SEQ, dtype=torch.long)
+    with cptune.context_parallel(buffers=[ids], seq_dims=[1], config=cptune.CPConfig(**config),
+                                 documents=documents) as block:
+        session = active()
+        layout, world = session.layout, session.cp
+        out = module(A.shard(x, 1, layout, session.cp_rank))
+        (out * A.shard(weight, 1, layout, session.cp_rank)).sum().backward()
+        got = block.unshard(out.detach(), 1)
+    dist.all_reduce(x.grad)
+    got_x, got_grads = x.grad.clone(), {n: p.grad.clone() for n, p in module.named_parameters()}
+    for p in got_grads:
+        dist.all_reduce(got_grads[p])
+    module.zero_grad()
+    x.grad = None
+
+    if packed:
+        bounds = torch.tensor((0, *LENGTHS)).cumsum(0).tolist()
+        want = torch.cat([module(x[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    else:
+        want = module(x)
+    for rank in range(world):  # one process, its loss in each rank's share
+        positions = A.shard(torch.arange(SEQ).view(1, SEQ), 1, layout, rank).flatten()
+        (want[:, positions] * weight[:, positions]).sum().backward(retain_graph=True)
+    errors = {"output": _relative(got, want.detach()), "input grad": _relative(got_x, x.grad)}
+    errors.update({name: _relative(got_grads[name], p.grad) for name, p in module.named_parameters()})
+    return errors
+
+
+CONFIGS = {"ring, load balanced": {"load_balance": True}, "ring, in order": {"load_balance": False},
+           "ulysses": {"strategy": "ulysses"}}
+
+
+@pytest.mark.parametrize("family", list(LAYERS))
+def test_a_token_mixing_layer_is_exact_by_the_generic_path(ranks, family):
+    if M.tiny_config(family) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    group = ranks(2)
+    for label, config in CONFIGS.items():
+        for packed in (False, True):
+            for errors in group.run(_one_layer, family, config, packed):
+                assert max(errors.values()) <= 1e-5, (family, label, packed, errors)
+
+
+def test_outside_a_block_and_with_cp_1_the_layer_is_called_as_it_is():
+    module = _layer("lfm2")
+    x = torch.randn(1, 8, M.BASE["hidden_size"])
+    want = module(x)
+    _gathered.run_whole(module)
+    _gathered.run_whole(module)  # idempotent
+    assert torch.equal(module(x), want)
+    with cptune.context_parallel(buffers=[torch.zeros(1, 8)], seq_dims=[1], config=cptune.CPConfig(mesh_shape=(1, 1))):
+        assert torch.equal(module(x), want)
+
+
+def test_search_a_hybrid_then_train_it_under_cp_from_a_bf16_checkpoint(tmp_path):
+    """LFM2 (short convolutions) from a bf16 checkpoint in several files: ``cptune search --model`` measures it on 2
+    ranks and writes a recipe; ``cptune launch`` trains it under cp 2 (the recipe's mesh overridden when the search
+    chose dp), packed documents, and its losses are one process's."""
+    import sys
+
+    from tests.test_build import _save
+    from tests.test_train_hf import SCRIPT, losses, run
+
+    config = M.tiny_config("lfm2")
+    folder = _save(config, tmp_path / "lfm2")
+    assert len(list(folder.glob("*.safetensors"))) >= 2
+    found = run([sys.executable, "-m", "cptune", "search", "--model", str(folder), "--seq-len", "64", "--documents",
+                 "2", "--nproc", "2", "--memory-budget", "4GiB", "--min-seconds", "0.1", "--out", "h.yaml"], tmp_path)
+    assert "best: " in found.stdout, found.stdout
+    recipe = cptune.load_recipe(tmp_path / "h.yaml")
+    assert recipe.workload.model == str(folder) and recipe.metrics.measured
+    run([sys.executable, "-m", "cptune", "launch", "h.yaml", "config.mesh_shape=[1,2]", "--", SCRIPT, "--weights",
+         "--steps", "2", "--losses-out", "cp.json"], tmp_path)
+    run([sys.executable, SCRIPT, "--model", str(folder), "--weights", "--seq-len", "64", "--batch", "1",
+         "--documents", "2", "--steps", "2", "--losses-out", "one.json"], tmp_path)
+    one, cp = losses(tmp_path / "one.json"), losses(tmp_path / "cp.json")
+    assert cp["cp"] == 2 and max(abs(x - y) for x, y in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
