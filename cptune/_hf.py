@@ -3,6 +3,7 @@ implementation, the forward pre-hook's checks, packed documents and windows as t
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 from typing import Any
@@ -12,6 +13,7 @@ import torch.nn as nn
 
 from .attention import documents_from_cu_seqlens, packed_documents
 from ._gathered import run_whole
+from ._head import head_of, loss_sum
 from ._mixers import cp_problems, model_coverage
 from ._loss import IGNORE_INDEX
 from ._session import active
@@ -141,3 +143,54 @@ def enable(model: nn.Module, token_wise: Iterable[type | str] = ()) -> nn.Module
         model._cptune_hook = model.register_forward_pre_hook(_check_call, with_kwargs=True)
     _set_implementation(model, ATTN_IMPLEMENTATION)
     return model
+
+
+def _head_forward(model: nn.Module, forward, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's forward: while :func:`causal_lm_loss` asks, the chunked loss of ``hidden`` kept for it and
+    empty logits returned (no vocabulary dim: nothing the model does to them afterwards costs anything)."""
+    request = model.__dict__.get("_cptune_loss_request")
+    if request is None:
+        return forward(hidden)
+    head = model.get_output_embeddings()
+    request["loss"], request["path"] = loss_sum(hidden, head.weight, request["labels"], model._cptune_head,
+                                                bias=getattr(head, "bias", None), ignore_index=request["ignore_index"],
+                                                path=request["path"])
+    # empty, yet made from the loss: a caller that walks the graph from the model's outputs (DDP finding unused
+    # parameters) reaches every parameter the loss used
+    return request["loss"].reshape(1, 1, 1).expand(*hidden.shape[:-1], 0)
+
+
+def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torch.Tensor,
+                   num_items_in_batch: torch.Tensor | float | None = None, ignore_index: int = IGNORE_INDEX,
+                   **inputs: Any) -> torch.Tensor:
+    """A causal LM's next-token loss, as ``model(input_ids=..., shift_labels=..., **inputs).loss`` gives it, without
+    the whole logits (the chunked loss of :mod:`cptune._head`); in a block or out of one. ``shift_labels``: the
+    targets shifted over the whole sequence before sharding (:func:`cptune.shift_labels`); the loss is their summed
+    token losses over ``num_items_in_batch`` (default: inside a block the exact count over every rank, as the
+    pre-hook gives transformers; outside one the valid targets of this call). A model whose head cptune cannot chunk
+    exactly (its forward does more to the logits than scale or softcap them) takes its own whole-logits loss, and
+    ``model._cptune_loss_path`` says so, as it says which chunked path ran ("torch", "cptune")."""
+    inner = getattr(model, "module", model)  # DDP's wrapper: the head is its module's
+    head = inner.__dict__.get("_cptune_head")
+    if head is None:
+        head = inner._cptune_head = head_of(inner)
+        output = inner.get_output_embeddings()
+        if not isinstance(head, str) and not getattr(output, "_cptune_chunked", False):
+            output.forward = functools.partial(_head_forward, inner, output.forward)
+            output._cptune_chunked = True
+    if isinstance(head, str):
+        inner._cptune_loss_path = f"whole logits: {head}"
+        return model(input_ids=input_ids, labels=shift_labels, shift_labels=shift_labels,
+                     num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, **inputs).loss
+    session = active()
+    if num_items_in_batch is None:
+        num_items_in_batch = session.num_items_in_batch(shift_labels, ignore_index, "all") if session is not None \
+            else (shift_labels != ignore_index).sum()
+    request = {"labels": shift_labels, "ignore_index": ignore_index, "path": None}
+    inner._cptune_loss_request = request
+    try:
+        model(input_ids=input_ids, use_cache=False, **inputs)
+    finally:
+        del inner._cptune_loss_request
+    inner._cptune_loss_path = request["path"]
+    return request["loss"] / num_items_in_batch

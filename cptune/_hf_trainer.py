@@ -33,7 +33,7 @@ import torch.distributed as dist
 import transformers
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ._hf import enable
+from ._hf import causal_lm_loss, enable
 from .attention import packed_documents
 from ._loss import IGNORE_INDEX, shift_labels
 from .config import ConfigLike
@@ -152,7 +152,7 @@ class Trainer(transformers.Trainer):
         with context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1],
                               config=self.cp_config, recipe=self.cp_recipe, documents=documents) as block:
             self.cp_steps += block.cp_size > 1
-            loss = model(input_ids=ids, position_ids=positions, shift_labels=labels, labels=labels, use_cache=False,
-                         num_items_in_batch=num_items_in_batch / world, **inputs).loss
+            loss = causal_lm_loss(model, ids, labels, num_items_in_batch=num_items_in_batch / world,
+                                  position_ids=positions, **inputs)  # without the whole logits
             self.accelerator.backward(loss)  # inside the block: checkpointed layers recompute with CP attention
         return loss.detach()

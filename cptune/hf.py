@@ -9,6 +9,8 @@
     positions = torch.arange(seq_len).expand(batch, seq_len)   # or restarting per packed document
     with cptune.context_parallel(buffers=[input_ids, labels, positions], seq_dims=[1, 1, 1]) as cp:
         loss = model(input_ids=input_ids, position_ids=positions, shift_labels=labels, use_cache=False).loss
+        # or the same loss without the whole logits (tokens x vocabulary: the largest tensor at long context):
+        # loss = cptune.hf.causal_lm_loss(model, input_ids, labels, position_ids=positions)
         loss.backward()
 
 :func:`enable` registers an attention implementation named ``"cptune"`` and uses it inside CP
@@ -32,6 +34,8 @@ shifted inside a shard, positions made inside the model, a padding mask) and fil
 ``num_items_in_batch`` so the loss is the exact single-device mean over every rank's tokens.
 Attention features SDPA cannot run (softcapping, a position bias, attention sinks) are refused.
 ``cptune.hf.Trainer`` is transformers' Trainer with each training step in a block (``_hf_trainer``).
+:func:`causal_lm_loss` is the model's loss without the whole logits (:mod:`cptune._head`): chunked, exact, the path
+cptune's training scripts, the Trainer and the search take.
 Verified with transformers 5.24 (``shift_labels`` and ``num_items_in_batch`` are taken by its
 causal-LM loss since 4.46 / 4.50). transformers is optional: only this module's implementation (``_hf``, ``_hf_trainer``) and
 ``cptune.models`` import it.
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._hf import ATTN_IMPLEMENTATION, attention_forward, enable
+from ._hf import ATTN_IMPLEMENTATION, attention_forward, causal_lm_loss, enable
 
 
 def __getattr__(name: str) -> Any:
@@ -52,4 +56,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'cptune.hf' has no attribute {name!r}")
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "Trainer", "attention_forward", "enable"]  # noqa: F822 - Trainer: __getattr__
+__all__ = ["ATTN_IMPLEMENTATION", "Trainer", "attention_forward", "causal_lm_loss", "enable"]  # noqa: F822 - Trainer: __getattr__

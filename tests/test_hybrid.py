@@ -81,6 +81,11 @@ CONFIGS = {"ring, load balanced": {"load_balance": True}, "ring, in order": {"lo
 def test_a_token_mixing_layer_is_exact_by_the_generic_path(ranks, family):
     if M.tiny_config(family) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    try:
+        models._empty_model(M.tiny_config(family))
+    except cptune.ValidationError as exc:  # Bamba on 4.56: this transformers cannot build it (named)
+        assert "cannot build it on the meta device" in str(exc), exc
+        pytest.skip(str(exc))
     group = ranks(2)
     for label, config in CONFIGS.items():
         for packed in (False, True):

@@ -51,6 +51,7 @@ from cptune import models
 from cptune._preflight import script_check
 from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import _options as options
+from cptune.hf import causal_lm_loss
 
 
 def read_documents(path: str, eos_id: int | None, vocab: int) -> list[torch.Tensor]:
@@ -278,7 +279,7 @@ def train(args: SimpleNamespace) -> None:
         packed = world > 1 and bool((docs[:, -1] != docs[:, 0]).any())  # else: one document per row, plain causal
         with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=config,
                                      documents=docs if packed else None):
-            loss = model(input_ids=ids, position_ids=positions, shift_labels=labels, use_cache=False).loss
+            loss = causal_lm_loss(model, ids, labels, position_ids=positions)
             loss.backward()  # inside the block: checkpointed layers recompute with CP attention
         loss = loss.detach()
         if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean

@@ -116,18 +116,24 @@ class Llama(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads, kv_heads) for _ in range(layers))
         self.norm, self.head = RMSNorm(dim), nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits; with ``labels``, the summed next-token loss instead, by torch's chunked
+        ``linear_cross_entropy``: the (tokens x vocabulary) logits are never made whole."""
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, position_ids)
-        return self.head(self.norm(x))
+        if labels is None:
+            return self.head(self.norm(x))
+        chunks = torch.nn.LinearCrossEntropyOptions(chunking_method=None,  # 128 MiB of float32 logits a chunk
+                                                    batch_chunk_size=max(128, 2 ** 25 // self.head.out_features))
+        return F.linear_cross_entropy(self.norm(x).flatten(0, 1).float(), self.head.weight.float(), labels.flatten(),
+                                      ignore_index=-100, reduction="sum", options=chunks)
 
 
 def loss_fn(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     """This rank's share of the mean next-token loss; ``labels`` come from cptune.shift_labels."""
-    logits = model(input_ids, position_ids)
-    summed = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-    return summed / cptune.num_items_in_batch(labels)
+    return model(input_ids, position_ids, labels) / cptune.num_items_in_batch(labels)
 
 
 def _keep_matmuls_and_ring(ctx, op, *args, **kwargs):

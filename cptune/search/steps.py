@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import models
+from .._hf import causal_lm_loss
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from .._loss import packed_labels_and_positions
 from .._session import model_mesh, world_mesh
@@ -112,7 +113,7 @@ def build_model_step(workload: Workload, device: torch.device, dims: ParallelDim
     labels, positions = packed_labels_and_positions(input_ids, workload.document_ids())
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> None:
-        model(input_ids=input_ids, position_ids=position_ids, shift_labels=labels, use_cache=False).loss.backward()
+        causal_lm_loss(model, input_ids, labels, position_ids=position_ids).backward()  # as train_hf trains it
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

@@ -1,0 +1,138 @@
+"""The loss without the whole logits, measured: the loss alone and a whole training step, each path in a fresh
+process (peak = the process's high-water mark over the call, less its resident memory before; time = the median of
+3 calls after one warm-up), against the whole logits.
+
+    python -m benchmarks.loss                              # 8192 tokens x hidden 512 x vocabulary 65536
+    python -m benchmarks.loss --tokens 16384 --vocab 65536  # the issue's size (the whole path needs ~13 GiB)
+
+Paths: "whole" (``F.linear`` then ``F.cross_entropy`` on float32 logits, what a causal LM's loss does), "torch"
+(torch's chunked ``linear_cross_entropy``, cptune's default), "cptune" (cptune's own checkpointed chunks, what a
+softcapped head takes). The step: a transformers Llama (2 layers, hidden 512, the same vocabulary) on one process,
+forward and backward of ``model(...).loss`` against :func:`cptune.hf.causal_lm_loss`. Goals (issue 52): the loss's
+peak <= 0.1x the whole logits', the step's time <= 1.05x. Results: benchmarks/results/loss-<stamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _measure(fn) -> dict:
+    """Peak rise (bytes) and median seconds of ``fn`` (one warm-up, then 3 timed calls, the peak over them)."""
+    import torch
+
+    from cptune.search.memory import current_usage, read_peak, reset_peak
+
+    fn()
+    times = []
+    before = current_usage(torch.device("cpu"))
+    reset_peak(torch.device("cpu"))
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"peak_rise": read_peak(torch.device("cpu")) - before, "seconds": statistics.median(times)}
+
+
+def _loss_alone(path: str, tokens: int, hidden: int, vocab: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from cptune._head import loss_sum
+
+    torch.manual_seed(0)
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    w = (torch.randn(vocab, hidden) * 0.02).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,))
+
+    def call():
+        if path == "whole":
+            loss = F.cross_entropy(F.linear(h, w).float(), labels, reduction="sum")
+        else:
+            loss = loss_sum(h, w, labels, path=path)[0]
+        loss.backward()
+        h.grad = w.grad = None
+
+    return _measure(call)
+
+
+def _step(path: str, tokens: int, hidden: int, vocab: int) -> dict:
+    import torch
+    import transformers
+
+    import cptune
+    from cptune import models
+    from cptune.hf import causal_lm_loss
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                      max_position_embeddings=tokens)
+    model = models.build_model(config, "cpu", ac="none")
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    labels, positions = cptune.shift_labels(ids), torch.arange(tokens).view(1, tokens)
+
+    def call():
+        if path == "whole":
+            loss = model(input_ids=ids, position_ids=positions, labels=labels, shift_labels=labels).loss
+        else:
+            loss = causal_lm_loss(model, ids, labels, position_ids=positions)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return _measure(call)
+
+
+def _one(kind: str, path: str, tokens: int, hidden: int, vocab: int) -> dict:
+    """One measurement in a fresh process (so no allocator state carries over)."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.loss", "--one", kind, path, "--tokens", str(tokens),
+                          "--hidden", str(hidden), "--vocab", str(vocab)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=1800, env={"OMP_NUM_THREADS": "2", **__import__("os").environ})
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=65536)
+    parser.add_argument("--one", nargs=2, metavar=("KIND", "PATH"))
+    args = parser.parse_args(argv)
+    if args.one:
+        kind, path = args.one
+        fn = _loss_alone if kind == "loss" else _step
+        print(json.dumps(fn(path, args.tokens, args.hidden, args.vocab)))
+        return 0
+    size = (args.tokens, args.hidden, args.vocab)
+    results = {"size": dict(zip(("tokens", "hidden", "vocab"), size)), "loss": {}, "step": {}}
+    for path in ("whole", "torch", "cptune"):
+        results["loss"][path] = _one("loss", path, *size)
+    for path in ("whole", "chunked"):
+        results["step"][path] = _one("step", path, *size)
+    gib = 2 ** 30
+    logits = args.tokens * args.vocab * 4
+    print(f"{args.tokens} tokens x hidden {args.hidden} x vocabulary {args.vocab} (float32 logits "
+          f"{logits / gib:.2f} GiB), one process, median of 3")
+    print("| what | path | peak rise | / whole | time | / whole |\n|---|---|---:|---:|---:|---:|")
+    for kind in ("loss", "step"):
+        whole = results[kind]["whole"]
+        for path, r in results[kind].items():
+            print(f"| {kind} | {path} | {r['peak_rise'] / gib:.2f} GiB | {r['peak_rise'] / whole['peak_rise']:.3f} | "
+                  f"{r['seconds']:.2f} s | {r['seconds'] / whole['seconds']:.2f} |")
+    out = ROOT / "benchmarks" / "results" / f"loss-{time.strftime('%Y%m%d-%H%M')}.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(f"results: {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
