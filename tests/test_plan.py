@@ -99,6 +99,20 @@ def test_a_predicted_recipe_says_so_wherever_it_is_read(tmp_path):
     problems = {p["argument"]: p for p in json.loads(checked.stdout)["problems"]}
     assert checked.exit_code == 1 and "not measured" in problems["metrics.predicted_by"]["message"]
     assert "provenance.device" not in problems  # a profile's name is not a measured device
+    assert (recipe.provenance.device_type, recipe.provenance.backend) == ("cuda", "nccl")
+
+
+def test_a_recipe_planned_for_the_cpu_records_the_cpu(tmp_path):
+    """A recipe records the device it was planned for: ``--hardware cpu`` writes a gloo CPU recipe, which
+    ``cptune check`` reads as one (it wrote cuda and nccl before)."""
+    out = _run("plan", "--dims", "2,64,4,2,128,128", "--seq-len", "256", "--gpus", "2", "--hardware", "cpu",
+               "--out", str(tmp_path / "cpu.yaml"))
+    assert out.exit_code == 0, out.stderr
+    recipe = cptune.load_recipe(tmp_path / "cpu.yaml")
+    assert (recipe.provenance.device_type, recipe.provenance.backend) == ("cpu", "gloo")
+    checked = _run("check", str(tmp_path / "cpu.yaml"), "--json")
+    assert not any("device_type" in p["argument"] or "cuda" in p["message"].lower()
+                   for p in json.loads(checked.stdout)["problems"]), checked.stdout
 
 
 def test_plan_errors_name_the_option():

@@ -9,6 +9,8 @@ until calibrated (:mod:`._calibrate`), and each profile says what calibrated it.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import json
 from pathlib import Path
 
@@ -43,6 +45,8 @@ class Hardware(StrictModel):
     """One accelerator type (or this CPU) and its links: read with :func:`load_hardware`."""
 
     name: str
+    device_type: Literal["cuda", "cpu"] = "cuda"
+    """What a recipe planned for it runs on: its ``device_type`` (and ``backend``: nccl, or gloo for the CPU)."""
     sources: list[str] = Field(default_factory=list)
     """Where each peak comes from (vendor datasheets), or how it was measured."""
     peak_tflops: dict[str, float] = Field(json_schema_extra={

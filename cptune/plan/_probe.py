@@ -98,7 +98,7 @@ def probe(nproc: int = 2, threads: int = 1) -> Hardware:
     link = Link(GBps=worst.get("link_Bps", 1e9) / 1e9,
                 latency_us=max(r.get("latency_s", 0.0) for r in per_rank) * 1e6)
     return Hardware(
-        name=f"{device_name('cpu')}: {nproc} gloo rank(s) x {threads} thread(s)",
+        name=f"{device_name('cpu')}: {nproc} gloo rank(s) x {threads} thread(s)", device_type="cpu",
         sources=[f"measured by cptune probe --nproc {nproc} on {time.strftime('%Y-%m-%d %H:%M')}: float32 GEMM "
                  "512^3, causal SDPA S=2048 H=4 D=64 fwd+bwd, a 64 MiB copy, an 8 MiB all-gather, a one-number "
                  "all-reduce, on every rank at once (the slowest rank's figures)"],
