@@ -16,6 +16,7 @@ outside a block, or with cp = 1: the module is then called as it is.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -119,8 +120,6 @@ def run_whole(module: nn.Module) -> None:
     a block of cp > 1; idempotent."""
     if getattr(module, "_cptune_whole", False):
         return
-    import inspect
-
     forward = module.forward
     module._cptune_arg_names = [n for n, p in inspect.signature(forward).parameters.items()
                                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -30,32 +30,25 @@ def tp_degrees(world_size: int, per_node: int, max_tp: int | None = None) -> tup
     return tuple(t for t in range(1, node + 1) if node % t == 0 and world_size % t == 0 and t <= (max_tp or node))
 
 
-def model_limits(workload: Workload, degrees: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+def model_limits(workload: Workload, degrees: tuple[int, ...]) -> tuple[tuple[int, ...], str | None, str | None]:
     """What a ``--model`` workload's model can train under: (those of ``degrees`` its TP plan can split, why it cannot
-    take cp > 1 or None), by :func:`cptune.models.tp_problems` and :func:`cptune.models.cp_problems`; the one rule
-    the search's space and ``cptune plan`` both apply, so neither proposes what the training script refuses."""
+    take cp > 1 or None, what cptune's generic path runs whole on every rank under cp > 1 -- '3 x
+    Qwen3NextGatedDeltaNet' -- or None), by :func:`cptune.models.tp_problems`, :func:`cptune.models.cp_problems` and
+    :func:`cptune.models.whole_layers` on one model made on the meta device; the one rule the search's space and
+    ``cptune plan`` both apply, so neither proposes what the training script refuses."""
     if workload.model is None:
-        return degrees, None
+        return degrees, None, None
+    from collections import Counter
+
     from . import models
 
     config = models.load_config(workload.model, workload.model_overrides)
     model = models._empty_model(config)
     refused = models.cp_problems(config, 2, "model", model)
+    kinds = Counter(models.whole_layers(config, model).values())
     return (tuple(t for t in degrees if not models.tp_problems(config, t, model=model)),
-            refused[0].message.replace("is cp=2 but ", "") if refused else None)
-
-
-def whole_layers(workload: Workload) -> str | None:
-    """What cptune's generic path runs whole on every rank under cp > 1 for a ``--model`` workload ('3 x
-    Qwen3NextGatedDeltaNet'), or None (:func:`cptune.models.whole_layers`)."""
-    if workload.model is None:
-        return None
-    from collections import Counter
-
-    from . import models
-
-    kinds = Counter(models.whole_layers(models.load_config(workload.model, workload.model_overrides)).values())
-    return ", ".join(f"{n} x {kind}" for kind, n in kinds.items()) or None
+            refused[0].message.replace("is cp=2 but ", "") if refused else None,
+            ", ".join(f"{n} x {kind}" for kind, n in kinds.items()) or None)
 
 
 def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)

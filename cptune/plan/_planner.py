@@ -13,7 +13,7 @@ from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
 from .._sizes import format_rate, format_size
-from .._space import AC_MODES, configurations, model_limits, tp_degrees, whole_layers
+from .._space import AC_MODES, configurations, model_limits, tp_degrees
 from ..workload import Workload
 from ._calibrate import Calibration
 from ._dims import ModelDims
@@ -116,10 +116,9 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     nodes = gpus // gpus_per_node if gpus > gpus_per_node else 1  # HSDP: one replica a node, FSDP2 inside it
     # the model's own limits, as the training script and the search apply them: a tp its plan cannot split is not
     # tried, and cp > 1 is not possible for a model with layers that mix tokens outside attention
-    tps, cp_refused = model_limits(workload, tp_degrees(gpus, gpus_per_node, max_tp))
+    tps, cp_refused, whole = model_limits(workload, tp_degrees(gpus, gpus_per_node, max_tp))
     notes = [f"cp > 1 is not possible: {cp_refused}. The rows are cp = 1, and the step model does not price those "
              "layers: it takes every decoder layer as softmax attention"] if cp_refused else []
-    whole = whole_layers(workload)
     if whole:
         notes.append(f"under cp > 1 the layers that mix tokens outside attention ({whole}) run whole on every rank "
                      "(cptune's generic path gathers their input over cp: exact, not split); the step model prices "
