@@ -45,7 +45,8 @@ class Hardware(StrictModel):
     """One accelerator type (or this CPU) and its links: read with :func:`load_hardware`."""
 
     name: str
-    device_type: Literal["cuda", "cpu"] = "cuda"
+    device_type: Literal["cuda", "cpu"] = Field("cuda", json_schema_extra={
+        "fix": "give device_type \"cuda\" (a GPU, nccl) or \"cpu\" (gloo)"})
     """What a recipe planned for it runs on: its ``device_type`` (and ``backend``: nccl, or gloo for the CPU)."""
     sources: list[str] = Field(default_factory=list)
     """Where each peak comes from (vendor datasheets), or how it was measured."""
