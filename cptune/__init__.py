@@ -15,6 +15,7 @@ Main API:
   windows (``context_parallel(documents=..., window=...)``), at the cost of the attended pairs.
 - ``cptune.hf.enable(model)``: transformers models under CP; ``cptune.models``: a transformers model from
   its config, prepared for training (AC, compile, FSDP2) as ``cptune search --model`` measures it.
+- :func:`head_loss`: the next-token loss through an LM head without the whole logits (vocabulary-parallel under tp).
 - :func:`parallelize`: a plain PyTorch model split by tensor parallelism (sequence parallel on the residual stream),
   checkpointed and compiled, then sharded by FSDP2 over the named mesh, in torchtitan's order.
 - :func:`tune`: measure configurations on real ranks, return the fastest that fits in memory (``cptune.search``
@@ -37,6 +38,7 @@ from .context import CPTuneWarning, context_parallel, num_items_in_batch, replic
     unshard
 from .errors import CPTuneError, Problem, ValidationError
 from .mesh import ParallelDims
+from ._head import head_loss
 from ._parallelize import parallelize
 from ._rank import close_rank, init_rank
 from .recipe import Recipe, load_recipe, save_recipe
@@ -62,6 +64,7 @@ __all__ = [
     "documents_from_cu_seqlens",
     "documents_from_eos",
     "documents_from_lengths",
+    "head_loss",
     "documents_from_position_ids",
     "init_rank",
     "load_recipe",

@@ -8,9 +8,13 @@ by the config field they read: ``logits_scaling`` (Granite divides), ``logit_sca
 Any other statement on the logits there is a head cptune cannot chunk exactly: it is named, and that model keeps the
 whole-logits loss.
 
-Two paths (:func:`loss_sum`): a head that is a matrix product times a constant goes to torch's chunked
+Three paths (:func:`loss_sum`): a head that is a matrix product times a constant goes to torch's chunked
 ``torch.nn.functional.linear_cross_entropy`` ("torch"); softcapping, a bias, or a torch without it, to cptune's own
-chunks, each recomputed in backward (activation checkpointing per chunk: "cptune"). Imports nothing of cptune's.
+chunks, each recomputed in backward (activation checkpointing per chunk: "cptune"). Given a tensor-parallel
+``group``, the loss is vocabulary-parallel ("vocab-parallel", :class:`_VocabParallel`): each tp rank takes its
+rows of the head (its share of the vocabulary) for every token, in chunks, and the softmax's maximum, normalizer and
+target logit are all-reduced over tp (Megatron's and torchtitan's loss_parallel, chunked); a rank holds a chunk of
+tokens x vocabulary/tp logits at most. Imports nothing of cptune's.
 """
 
 from __future__ import annotations
@@ -105,13 +109,18 @@ def chunk_tokens_for(vocab: int) -> int:
 
 def loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, head: Head = Head(),
              bias: torch.Tensor | None = None, ignore_index: int = -100, chunk_tokens: int | None = None,
-             path: str | None = None) -> tuple[torch.Tensor, str]:
+             path: str | None = None, group=None) -> tuple[torch.Tensor, str]:
     """(the sum of the next-token losses of ``hidden`` (..., H) against ``labels`` (...), pre-shifted; the path that
     ran: "torch" or "cptune"), in float32, never the whole logits. ``chunk_tokens``: default
     :func:`chunk_tokens_for` the vocabulary. ``path``: "cptune" takes cptune's own chunks where torch's would apply
-    (the benchmark compares them)."""
+    (the benchmark compares them). ``group``: a tensor-parallel process group over whose ranks ``hidden``,
+    ``weight`` and ``labels`` are the same; with more than one rank the loss is vocabulary-parallel, each rank's
+    logits its rows' (same tokens a chunk, 1/tp of the vocabulary), the loss and every gradient the same on each."""
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     chunk_tokens = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        total = _VocabParallel.apply(hidden, weight, bias, labels, head, ignore_index, chunk_tokens, group)
+        return total, "vocab-parallel"
     torch_path = head.softcap is None and bias is None and hasattr(F, "linear_cross_entropy")
     if torch_path and path != "cptune":
         options = torch.nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=chunk_tokens)
@@ -124,3 +133,92 @@ def loss_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, h
         total = total + checkpoint(_chunk_sum, hidden[piece], weight, bias, labels[piece], head.scale, head.softcap,
                                    ignore_index, use_reentrant=False)
     return total, "cptune"
+
+
+def head_loss(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, ignore_index: int = -100
+              ) -> torch.Tensor:
+    """The summed next-token loss of ``hidden`` (..., H) through the linear LM ``head`` against ``labels`` (...),
+    pre-shifted (:func:`cptune.shift_labels`), in float32 and in chunks: the (tokens x vocabulary) logits are never
+    whole. Where :func:`cptune.parallelize` split the model over tp (a model whose ``get_output_embeddings()``
+    returns ``head``) it is vocabulary-parallel over the tp ranks. For a model's own forward: it knows nothing of
+    distribution and runs under python alone."""
+    return loss_sum(hidden, head.weight, labels, bias=head.bias, ignore_index=ignore_index,
+                    group=getattr(head, "_cptune_tp_group", None))[0]
+
+
+def _rows(vocab: int, group) -> slice:
+    """This tp rank's rows of a head of ``vocab`` rows (as even as they go)."""
+    rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    return slice(rank * vocab // size, (rank + 1) * vocab // size)
+
+
+def _share(weight, bias, labels, ignore_index, group):
+    """(this rank's rows, its head rows, bias rows, each label's row among them (0 where not), which are)."""
+    rows = _rows(weight.shape[0], group)
+    w, b = weight[rows], None if bias is None else bias[rows]
+    local = labels - rows.start
+    mine = (local >= 0) & (local < w.shape[0]) & (labels != ignore_index)
+    return rows, w, b, torch.where(mine, local, 0), mine
+
+
+def _capped(raw: torch.Tensor, head: Head) -> torch.Tensor:
+    return raw if head.softcap is None else torch.tanh(raw / head.softcap) * head.softcap
+
+
+class _VocabParallel(torch.autograd.Function):
+    """The summed next-token loss with the head's rows split over a tp group, in chunks of tokens; it keeps each
+    token's log-normalizer (one float) for backward and recomputes a chunk's logits there."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, head, ignore_index, chunk_tokens, group):
+        dist = torch.distributed
+        rows, w, b, local, mine = _share(weight, bias, labels, ignore_index, group)
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            piece = slice(start, start + chunk_tokens)
+            z = _capped(F.linear(hidden[piece], w, b).float() * head.scale, head)
+            top = z.max(-1).values
+            dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+            target = z.gather(1, local[piece, None]).squeeze(1) * mine[piece]
+            sums = torch.stack([torch.exp(z - top[:, None]).sum(-1), target])
+            dist.all_reduce(sums, group=group)
+            lse[piece] = top + sums[0].log()
+            total = total + ((lse[piece] - sums[1]) * (labels[piece] != ignore_index)).sum()
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.args = (head, ignore_index, chunk_tokens, group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist = torch.distributed
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        head, ignore_index, chunk_tokens, group = ctx.args
+        rows, w, b, local, mine = _share(weight, bias, labels, ignore_index, group)
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_b = None if b is None else torch.zeros(b.shape, dtype=torch.float32, device=b.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            piece = slice(start, start + chunk_tokens)
+            raw = F.linear(hidden[piece], w, b).float() * head.scale
+            dz = torch.exp(_capped(raw, head) - lse[piece, None])
+            dz[torch.arange(dz.shape[0], device=dz.device)[mine[piece]], local[piece][mine[piece]]] -= 1
+            dz = dz * ((labels[piece] != ignore_index) * grad)[:, None]
+            if head.softcap is not None:
+                dz = dz * (1 - torch.tanh(raw / head.softcap) ** 2)
+            dz = (dz * head.scale).to(hidden.dtype)
+            grad_hidden[piece] = (dz @ w).float()
+            grad_w += dz.t().float() @ hidden[piece].float()
+            if grad_b is not None:
+                grad_b += dz.float().sum(0)
+        dist.all_reduce(grad_hidden, group=group)  # each rank's rows' part: summed, the same on every tp rank
+        full_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        full_w[rows] = grad_w
+        dist.all_reduce(full_w, group=group)  # the head is whole on each tp rank: its gradient too
+        full_b = None
+        if grad_b is not None:
+            full_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            full_b[rows] = grad_b
+            dist.all_reduce(full_b, group=group)
+            full_b = full_b.to(bias.dtype)
+        return grad_hidden.to(hidden.dtype), full_w.to(weight.dtype), full_b, None, None, None, None, None

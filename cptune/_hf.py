@@ -154,7 +154,7 @@ def _head_forward(model: nn.Module, forward, hidden: torch.Tensor) -> torch.Tens
     head = model.get_output_embeddings()
     request["loss"], request["path"] = loss_sum(hidden, head.weight, request["labels"], model._cptune_head,
                                                 bias=getattr(head, "bias", None), ignore_index=request["ignore_index"],
-                                                path=request["path"])
+                                                path=request["path"], group=getattr(head, "_cptune_tp_group", None))
     # empty, yet made from the loss: a caller that walks the graph from the model's outputs (DDP finding unused
     # parameters) reaches every parameter the loss used
     return request["loss"].reshape(1, 1, 1).expand(*hidden.shape[:-1], 0)
@@ -169,7 +169,8 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torc
     token losses over ``num_items_in_batch`` (default: inside a block the exact count over every rank, as the
     pre-hook gives transformers; outside one the valid targets of this call). A model whose head cptune cannot chunk
     exactly (its forward does more to the logits than scale or softcap them) takes its own whole-logits loss, and
-    ``model._cptune_loss_path`` says so, as it says which chunked path ran ("torch", "cptune")."""
+    ``model._cptune_loss_path`` says so, as it says which chunked path ran ("torch", "cptune", and under tensor
+    parallelism "vocab-parallel")."""
     inner = getattr(model, "module", model)  # DDP's wrapper: the head is its module's
     head = inner.__dict__.get("_cptune_head")
     if head is None:

@@ -219,6 +219,15 @@ def split_sequence(layers: list[nn.Module], tp_mesh: Any) -> None:
     layers[-1].register_forward_hook(gather)
 
 
+def vocabulary_over(model: nn.Module, tp_mesh: Any) -> None:
+    """The LM head's loss is vocabulary-parallel over ``tp_mesh`` (cptune's chunked loss reads the group from the
+    head; the head's weight stays whole on each tp rank, sharded by FSDP2 over the data dims as before, and a forward
+    for logits gives them whole)."""
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if output is not None:
+        output._cptune_tp_group = tp_mesh.get_group()
+
+
 def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
     """``layer`` split over ``tp_mesh`` by ``plan`` (style names) with sequence parallelism (:func:`sequence_parallel`,
     :func:`gather_block_inputs`); the layers' ends are :func:`split_sequence`'s."""
@@ -253,6 +262,7 @@ def parallelize_layers(model: nn.Module, layers: list[nn.Module] | nn.ModuleList
             layers[i] = wrap(layer)
     if split:
         split_sequence(list(layers), tp_mesh)
+        vocabulary_over(model, tp_mesh)
     if shard is not None:
         for layer in layers:
             shard(layer)

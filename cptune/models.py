@@ -265,6 +265,7 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
         _materialize(model, rest, device, seed, 0)
     if tp_mesh is not None:
         P.split_sequence(layers, tp_mesh)
+        P.vocabulary_over(model, tp_mesh)
     P.parallelize_unit(model, None, None, shard)
     if weights is not None:
         _weights.load_weights(model, weights, tensors)

@@ -41,6 +41,32 @@ def test_the_chunked_loss_equals_the_whole_logits_loss_and_gradients(head, bias,
     assert abs(got.item() - want.item()) <= 1e-5 * abs(want.item())
 
 
+def _vocab_parallel_case(softcap, bias):
+    """On each rank: the vocabulary-parallel loss (rows of a 1,001-word head split unevenly over the ranks) against
+    the whole-logits loss of the same tensors; (path, loss error, worst relative gradient error)."""
+    import torch.distributed as dist
+
+    head = Head(scale=0.5, softcap=softcap)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 300, 32, generator=gen, requires_grad=True)
+    weight = (torch.randn(1001, 32, generator=gen) * 0.1).requires_grad_()
+    b = (torch.randn(1001, generator=gen) * 0.1).requires_grad_() if bias else None
+    labels = torch.randint(0, 1001, (2, 300), generator=gen)
+    labels[0, :17], labels[1, -3:] = -100, 1000  # ignored targets; the last rank's last row
+    inputs = [hidden, weight] + ([b] if bias else [])
+    want = _whole(hidden, weight, labels, head, b)
+    grads = torch.autograd.grad(want, inputs)
+    got, path = loss_sum(hidden, weight, labels, head, bias=b, chunk_tokens=128, group=dist.group.WORLD)
+    worst = max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(torch.autograd.grad(got, inputs), grads))
+    return path, abs(got.item() - want.item()) / abs(want.item()), worst
+
+
+@pytest.mark.parametrize("softcap,bias", [(None, False), (3.0, True)])
+def test_the_vocabulary_parallel_loss_equals_the_whole_logits_loss_on_every_rank(ranks, softcap, bias):
+    for path, loss, grads in ranks(2).run(_vocab_parallel_case, softcap, bias):
+        assert path == "vocab-parallel" and loss <= 1e-5 and grads <= 1e-5, (path, loss, grads)
+
+
 def _tiny(family, **fields):
     config = transformers.AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64,
                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,

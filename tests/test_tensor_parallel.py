@@ -2,7 +2,7 @@
 FSDP2 over dp_shard x cp, on 4 real ranks (tp2·cp2, dp2·tp2, tp4). A bf16 checkpoint in several files loads straight
 into the shards, each rank holding its share of every split weight; logits and every parameter gradient under the CP
 block equal one process's, eager and under activation checkpointing and compile, with the residual stream split by
-token over tp (sequence parallelism); the export is what from_pretrained loads. Models whose plan cptune does not apply, and a tp the heads cannot take, are refused by name before anything
+token over tp (sequence parallelism) and the loss vocabulary-parallel over tp (cptune.hf.causal_lm_loss); the export is what from_pretrained loads. Models whose plan cptune does not apply, and a tp the heads cannot take, are refused by name before anything
 is built."""
 
 import re
@@ -14,6 +14,7 @@ import torch.distributed as dist
 import cptune
 from cptune import models
 from cptune._parallelize import PER_HEAD
+from cptune.hf import causal_lm_loss
 from cptune.mesh import ParallelDims
 from benchmarks import matrix as M
 from tests.test_build import FAMILIES, _config, _save
@@ -40,7 +41,8 @@ def _tp_case(folder, dims, ac="none", compile=False, export=None):
     ids, labels = IDS, cptune.shift_labels(IDS)
     positions = torch.arange(32).expand(2, 32).contiguous()
     want_loss, want_logits = _loss_and_logits(reference, ids, labels, positions)
-    (want_loss / (labels != -100).sum()).backward()
+    count = (labels != -100).sum()
+    (want_loss / count).backward()
     model = models.build_model(config, "cpu", weights=folder, fsdp_mesh=dims.model_mesh("cpu"), ac=ac,
                                compile=compile)
     stream = []  # the residual stream's tokens between the layers, on this rank
@@ -50,15 +52,19 @@ def _tp_case(folder, dims, ac="none", compile=False, export=None):
     rows = cptune.replica_rows(len(ids), config=cp_config)
     ids, labels, positions, want_logits = ids[rows], labels[rows], positions[rows], want_logits[rows]
     with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=cp_config) as block:
-        loss, logits = _loss_and_logits(model, ids, labels, positions)
-        (loss / block.num_items_in_batch(labels)).backward()
-        logits = block.unshard(logits.detach(), 1)
+        with torch.no_grad():  # before the step: FSDP2 drops the root's gradients at a forward after backward
+            logits = block.unshard(_loss_and_logits(model, ids, labels, positions)[1], 1)
+        loss = causal_lm_loss(model, ids, labels, position_ids=positions)  # vocabulary-parallel over tp
+        loss.backward()
+    whole = loss.detach().clone()
+    dist.all_reduce(whole)  # each rank's loss: its tokens' sum over the count per data rank (FSDP2 averages)
     want = dict(reference.named_parameters())
     grads, shares = 0.0, {}
     for name, p in model.named_parameters():
         grads = max(grads, (p.grad.full_tensor() - want[name].grad).abs().max().item())
         shares[name] = p.to_local().numel() / p.numel()
-    out = {"logits": (logits - want_logits).abs().max().item(), "grads": grads, "shares": shares, "stream": stream}
+    out = {"logits": (logits - want_logits).abs().max().item(), "grads": grads, "shares": shares, "stream": stream,
+           "loss": abs(whole.item() / dist.get_world_size() - want_loss.item() / count.item()), "path": model._cptune_loss_path}
     if export is not None:
         models.export_model(model, export)
         dist.barrier()
@@ -98,6 +104,7 @@ def test_a_checkpoint_loads_into_tp_and_fsdp_shards_and_trains_exactly(ranks, tm
         fsdp = dims.dp_shard * dims.cp  # FSDP2's ranks; a tp rank holds 1/tp of a split weight before it
         for r in per_rank:
             assert r["logits"] <= 1e-5 and r["grads"] <= 1e-5, (family, dims, ac, comp, r["logits"], r["grads"])
+            assert r["loss"] <= 1e-5 and r["path"] == "vocab-parallel", (family, dims, r["loss"], r["path"])
             # sequence parallelism: between the layers a rank holds its cp rank's tokens split over tp
             assert set(r["stream"]) == {IDS.shape[1] // (dims.cp * dims.tp)}, (family, dims, r["stream"])
             split = {n: s for n, s in r["shares"].items() if _plan_split(n, config)}

@@ -118,17 +118,18 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits; with ``labels``, the summed next-token loss instead, by torch's chunked
-        ``linear_cross_entropy``: the (tokens x vocabulary) logits are never made whole."""
+        """The logits; with ``labels``, the summed next-token loss instead, in chunks (``cptune.head_loss``):
+        the (tokens x vocabulary) logits are never made whole, and under tensor parallelism each tp rank takes its
+        share of the vocabulary."""
         x = self.embed(input_ids)
         for block in self.blocks:
             x = block(x, position_ids)
         if labels is None:
             return self.head(self.norm(x))
-        chunks = torch.nn.LinearCrossEntropyOptions(chunking_method=None,  # 128 MiB of float32 logits a chunk
-                                                    batch_chunk_size=max(128, 2 ** 25 // self.head.out_features))
-        return F.linear_cross_entropy(self.norm(x).flatten(0, 1).float(), self.head.weight.float(), labels.flatten(),
-                                      ignore_index=-100, reduction="sum", options=chunks)
+        return cptune.head_loss(self.norm(x), self.head, labels)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.head
 
 
 def loss_fn(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
