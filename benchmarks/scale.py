@@ -27,13 +27,21 @@ ROOT = Path(__file__).resolve().parents[1]
 BOUND = 1.25
 
 
-def model_config(layers: int) -> dict:
+def model_config(layers: int, hidden: int = 512, intermediate: int = 1408, heads: int = 8, kv_heads: int = 8,
+                 vocab: int = 4096) -> dict:
     """A Llama of 512 hidden, 1408 MLP, 8 heads: 3.2M parameters a layer (many small layers: a rank's
-    transients, a gathered layer or two, stay small beside its shard), a small vocabulary."""
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 512,
-            "intermediate_size": 1408, "num_hidden_layers": layers, "num_attention_heads": 8,
-            "num_key_value_heads": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": False}
+    transients, a gathered layer or two, stay small beside its shard), a small vocabulary; or other sizes
+    (:data:`EMBEDDING_HEAVY`: issue 52's Mistral, whose embedding and head are each 2.8 decoder layers)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+EMBEDDING_HEAVY = {"layers": 16, "hidden": 1024, "intermediate": 2816, "heads": 16, "kv_heads": 8, "vocab": 32000}
+"""970 MiB of float32: 16 decoder layers of 45 MiB, an embedding and an LM head of 125 MiB each."""
+LAYER_BOUND = 1.5
+"""A sharded build's rise on every rank: at most 1.5 x (its shard + one decoder layer) (issue 52)."""
 
 
 def sizes(config: dict) -> dict:
@@ -45,9 +53,9 @@ def sizes(config: dict) -> dict:
     return {"params": L * layer + root, "layer": layer, "root": root}
 
 
-def write_model(folder: Path, layers: int) -> Path:
+def write_model(folder: Path, layers: int, **sizes_: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(model_config(layers)))
+    (folder / "config.json").write_text(json.dumps(model_config(layers, **sizes_)))
     return folder
 
 

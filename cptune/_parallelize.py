@@ -238,14 +238,33 @@ def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
     gather_block_inputs(layer, blocks, tp_mesh)
 
 
-def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, str] | None, shard: Any) -> None:
+def embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """A transformers model's input embedding and LM head, each a unit of its own (made and sharded before the next,
+    so that a rank's build never holds both whole), with whether FSDP2 reshards it after forward: not the head,
+    whose loss cptune takes inside its forward (:mod:`cptune._head`), so its backward finds it gathered. None when
+    tied (one parameter: it stays the root's)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):
+            module = None
+        if isinstance(module, nn.Module) and any(True for _ in module.parameters()):
+            found.append(module)
+    if len(found) < 2 or {id(p) for p in found[0].parameters()} & {id(p) for p in found[1].parameters()}:
+        return []
+    return [(found[0], True), (found[1], False)]
+
+
+def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, str] | None, shard: Any,
+                     reshard: bool = True) -> None:
     """One decoder layer (or the root, ``plan`` None): split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`), then
-    sharded by ``shard`` (:func:`sharder`; None: not sharded). ``build_model`` takes it a layer at a time, each
+    sharded by ``shard`` (:func:`sharder`; None: not sharded; ``reshard``: FSDP2's reshard_after_forward). ``build_model`` takes it a layer at a time, each
     made just before; :func:`parallelize_layers` is the same for layers already made."""
     if plan is not None and tp_mesh is not None:
         apply_tp(unit, tp_mesh, plan)
     if shard is not None:
-        shard(unit)
+        shard(unit) if reshard else shard(unit, reshard_after_forward=False)
 
 
 def parallelize_layers(model: nn.Module, layers: list[nn.Module] | nn.ModuleList, tp_mesh: Any,

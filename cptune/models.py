@@ -256,12 +256,16 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
         _prepare(model, ac, compile)
     layers, shard = decoder_layers(model), P.sharder(fsdp_mesh, dtype)
     plan = P.layer_plan(config, layers) if tp_mesh is not None else None
-    inside = {id(m) for layer in layers for m in layer.modules()}
+    embeddings = P.embedding_units(model)
+    inside = {id(m) for unit in [*layers, *(e for e, _ in embeddings)] for m in unit.modules()}
     rest = [m for m in model.modules() if id(m) not in inside]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i, layer in enumerate(layers):
             _materialize(model, list(layer.modules()), device, seed, i + 1)
             P.parallelize_unit(layer, tp_mesh, plan, shard)
+        for j, (unit, reshard) in enumerate(embeddings):  # untied embedding and head: units of their own
+            _materialize(model, list(unit.modules()), device, seed, len(layers) + 1 + j)
+            P.parallelize_unit(unit, None, None, shard, reshard)
         _materialize(model, rest, device, seed, 0)
     if tp_mesh is not None:
         P.split_sequence(layers, tp_mesh)

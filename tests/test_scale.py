@@ -42,3 +42,15 @@ def test_a_model_three_times_a_ranks_budget_is_built_sharded_and_trained_by_the_
     assert len(found["search_peak_per_rank"]) == RANKS
     assert max(found["search_peak_per_rank"]) <= budget, found["search_table"]
     assert math.isfinite(found["search_tokens_per_s"]) and found["search_tokens_per_s"] > 0, found["search_table"]
+
+
+def test_a_sharded_build_holds_its_shard_and_one_unit_where_the_embedding_outweighs_a_layer(tmp_path):
+    """Issue 52's Mistral (970 MiB: an embedding and a head of 2.8 decoder layers each), built on 4 ranks: each
+    rank's rise within 1.5 x its shard plus one decoder layer (the embedding and the head are units of their own,
+    made and sharded one after the other; as one root they took 1.21 x that bound)."""
+    shape = dict(scale.EMBEDDING_HEAVY)
+    layers = shape.pop("layers")
+    model = scale.write_model(tmp_path / "model", layers, **shape)
+    n = scale.sizes(scale.model_config(layers, **shape))
+    for r in scale.build_peaks(model, RANKS, whole=False):
+        assert r["rise"] <= scale.LAYER_BOUND * (r["shard"] + 4 * n["layer"]), (r, n)
