@@ -42,6 +42,7 @@ import torch
 
 import cptune
 import cptune.plan as P
+from cptune._defaults import BUDGET_FRACTION
 from cptune.plan._dims import dims_from_workload
 from cptune.plan._step import busiest_pairs
 from cptune.search import MeasureSettings
@@ -239,7 +240,8 @@ def nemo() -> dict:
         c = cal.apply(p)
         r.update(predicted=c.tokens_per_s_per_gpu, error=c.tokens_per_s_per_gpu / r["published"] - 1,
                  predicted_tflops=c.tokens_per_s_per_gpu * nemo_flops_per_token(NEMO["model"], r["seq_len"]) / 1e12,
-                 predicted_bottleneck=c.bottleneck)
+                 predicted_bottleneck=c.bottleneck, predicted_memory_gib=c.peak_bytes / 2**30,
+                 predicted_loss_gib=c.memory["loss"] / 2**30, budget_gib=hw.memory_bytes * BUDGET_FRACTION / 2**30)
     errors = [abs(r["error"]) for r in rows if r["error"] is not None and not r["calibration"]]
     return {"source": NEMO["source"], "url": NEMO["url"], "calibrated_on": rows[first]["config"],
             "compute_factor": cal.compute, "rows": rows, "worst_error": max(errors),
@@ -269,17 +271,54 @@ def nemo_lines(n: dict) -> list[str]:
              f"compute factor {n['compute_factor']:.2f}); published model TFLOP/s per GPU turned into tokens/s per GPU "
              "by NeMo's own FLOPs formula (`benchmarks.plan.nemo_flops_per_token`); FP8 matmuls, no activation "
              "checkpointing, FSDP2 over DP x CP where Megatron keeps a distributed optimizer:", "",
-             "| configuration | published TFLOP/s/GPU | published tokens/s/GPU | predicted | error | plan's bottleneck |",
-             "|---|---|---|---|---|---|"]
+             "| configuration | published TFLOP/s/GPU | published tokens/s/GPU | predicted | error | predicted peak "
+             "(of which the loss) | plan's bottleneck |",
+             "|---|---|---|---|---|---|---|"]
     for r in n["rows"]:
         if r["predicted"] is None:
-            lines.append(f"| {r['config']} | {r['published_tflops']} | {r['published']:,.0f} | - | - | {r['note']} |")
+            lines.append(f"| {r['config']} | {r['published_tflops']} | {r['published']:,.0f} | - | - | - | {r['note']} |")
             continue
         mark = " (calibration point)" if r["calibration"] else ""
         lines.append(f"| {r['config']}{mark} | {r['published_tflops']} | {r['published']:,.0f} | "
-                     f"{r['predicted']:,.0f} | {r['error']:+.0%} | {r['predicted_bottleneck']} |")
+                     f"{r['predicted']:,.0f} | {r['error']:+.0%} | {r['predicted_memory_gib']:.1f} GiB "
+                     f"({r['predicted_loss_gib']:.2f}) | {r['predicted_bottleneck']} |")
     lines += ["", f"Worst error of the {n['predicted_points']} predicted runs: {n['worst_error']:.1%}; "
                   f"{n['within_15']} of {n['predicted_points']} within 15 %."]
+    return lines
+
+
+FRONTIER = {"dims": "80,8192,64,8,28672,128256", "seq_len": 1048576, "gpus": 64}
+"""Issue 52's question: a 70B Llama (Llama 3.1's shape) at 1M tokens on 64 H100s."""
+
+
+def frontier() -> dict:
+    """The plan's answer to :data:`FRONTIER` on each H100 profile: the best configuration, its peak and its parts."""
+    dims = P.dims_from_values(*map(int, FRONTIER["dims"].split(",")))
+    out = {"command": f"cptune plan --dims {FRONTIER['dims']} --seq-len {FRONTIER['seq_len']} --gpus "
+                      f"{FRONTIER['gpus']} --hardware HW", "profiles": {}}
+    for name in ("h100", "h100-fa3"):
+        hw = P.load_hardware(name)
+        result = P.plan(dims, P.plan_workload(dims, FRONTIER["seq_len"]), hw, FRONTIER["gpus"])
+        best = result.best
+        out["profiles"][name] = None if best is None else {
+            "config": best.point.label(), "tokens_per_s_per_gpu": best.tokens_per_s_per_gpu, "step_s": best.step_s,
+            "peak_gib": best.peak_bytes / 2**30, "budget_gib": result.budget / 2**30,
+            "memory_gib": {k: v / 2**30 for k, v in best.memory.items()}}
+    return out
+
+
+def frontier_lines(f: dict) -> list[str]:
+    lines = [f"`{f['command']}` (issue 52's 70B case; the loss chunked, vocabulary-parallel under tp):", "",
+             "| profile | best configuration | tokens/s per GPU | step | peak / budget | largest parts |",
+             "|---|---|---|---|---|---|"]
+    for name, b in f["profiles"].items():
+        if b is None:
+            lines.append(f"| {name} | nothing predicted to fit | - | - | - | - |")
+            continue
+        parts = sorted(b["memory_gib"].items(), key=lambda kv: -kv[1])[:4]
+        lines.append(f"| {name} | {b['config']} | {b['tokens_per_s_per_gpu']:.1f} | {b['step_s']:.0f} s | "
+                     f"{b['peak_gib']:.2f} / {b['budget_gib']:.0f} GiB | "
+                     f"{', '.join(f'{k} {v:.2f}' for k, v in parts)} GiB, loss {b['memory_gib']['loss']:.2f} GiB |")
     return lines
 
 
@@ -349,8 +388,10 @@ def main() -> None:
 
     if args.published:
         results = {"command": "python -m benchmarks.plan --published",
-                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M"), "nemo": nemo()}
-        publish("plan-published", results, nemo_lines(results["nemo"]), args.update_readme)
+                   "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d-%H%M"), "nemo": nemo(),
+                   "frontier": frontier()}
+        publish("plan-published", results, nemo_lines(results["nemo"]) + ["", *frontier_lines(results["frontier"])],
+                args.update_readme)
         return
 
     if args.from_results:

@@ -67,6 +67,9 @@ def _leave(code: int) -> None:
               help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
 @click.option("--window", type=Whole(0), default=None, metavar="N",
               help="Causal sliding window: each token attends to N earlier tokens (4095 for sliding_window=4096).")
+@click.option("--loss", type=OneOf(["chunked", "whole"]), default="chunked", show_default=True,
+              help="With --model: the loss in chunks, never the whole logits (vocabulary-parallel under tp), or the "
+                   "model's own loss from the whole logits.")
 @click.option("--nproc", type=COUNT, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")
 @click.option("--device", type=OneOf(["cpu", "cuda"]), default=None, help="Default: cuda if available.")
 @click.option("--memory-budget", type=SIZE, default=None, help="Per-rank budget with its unit, e.g. 70GiB or 512MiB "
@@ -96,7 +99,7 @@ def _leave(code: int) -> None:
               help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model,
-                   model_overrides, documents, window, nproc, device, memory_budget, memory_margin, storage,
+                   model_overrides, documents, window, loss, nproc, device, memory_budget, memory_margin, storage,
                    study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, max_tp, min_seconds, out,
                    script, as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
@@ -112,13 +115,16 @@ def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, la
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     lengths = seq_lens  # a list: click reads the default through LENGTHS too
     fields = dict(seq_len=lengths[0], batch=batch, dtype=dtype, causal=causal, compile=compile_, ac=ac, step=step,
-                  documents=documents, window=window)
+                  documents=documents, window=window, loss=loss)
     ctx = click.get_current_context()
     given = [f"--{name.replace('_', '-')}" for name in ("heads", "kv_heads", "head_dim", "layers")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
     if model_overrides and not model:
         raise CPTuneError("--model-override: changes a --model's config, and no --model is given. Fix: add --model "
                           "PATH, or leave --model-override out")
+    if loss == "whole" and not model:
+        raise CPTuneError("--loss: is how a --model's step takes its loss, and no --model is given. Fix: add --model "
+                          "PATH, or leave --loss out")
     if model and given:
         raise CPTuneError(f"{'/'.join(given)}: a --model's come from its config. Fix: leave them out, or change the "
                           "model with --model-override (num_hidden_layers=4)")

@@ -162,7 +162,7 @@ def _head_forward(model: nn.Module, forward, hidden: torch.Tensor) -> torch.Tens
 
 def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torch.Tensor,
                    num_items_in_batch: torch.Tensor | float | None = None, ignore_index: int = IGNORE_INDEX,
-                   **inputs: Any) -> torch.Tensor:
+                   whole: bool = False, **inputs: Any) -> torch.Tensor:
     """A causal LM's next-token loss, as ``model(input_ids=..., shift_labels=..., **inputs).loss`` gives it, without
     the whole logits (the chunked loss of :mod:`cptune._head`); in a block or out of one. ``shift_labels``: the
     targets shifted over the whole sequence before sharding (:func:`cptune.shift_labels`); the loss is their summed
@@ -170,7 +170,8 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torc
     pre-hook gives transformers; outside one the valid targets of this call). A model whose head cptune cannot chunk
     exactly (its forward does more to the logits than scale or softcap them) takes its own whole-logits loss, and
     ``model._cptune_loss_path`` says so, as it says which chunked path ran ("torch", "cptune", and under tensor
-    parallelism "vocab-parallel")."""
+    parallelism "vocab-parallel"). ``whole``: the model's own loss from the whole logits, asked for (``cptune search
+    --loss whole`` and its recipe)."""
     inner = getattr(model, "module", model)  # DDP's wrapper: the head is its module's
     head = inner.__dict__.get("_cptune_head")
     if head is None:
@@ -179,8 +180,8 @@ def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torc
         if not isinstance(head, str) and not getattr(output, "_cptune_chunked", False):
             output.forward = functools.partial(_head_forward, inner, output.forward)
             output._cptune_chunked = True
-    if isinstance(head, str):
-        inner._cptune_loss_path = f"whole logits: {head}"
+    if isinstance(head, str) or whole:
+        inner._cptune_loss_path = f"whole logits: {head}" if isinstance(head, str) else "whole logits (asked)"
         return model(input_ids=input_ids, labels=shift_labels, shift_labels=shift_labels,
                      num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, **inputs).loss
     session = active()

@@ -49,6 +49,11 @@ class Workload(StrictModel):
         "fix": "give --model as a local model directory or its config.json"})
     """A transformers model (directory or config.json) whose training step is measured: built from its config
     with random weights, trained with FSDP2 over dp x cp and AdamW (see cptune.models); None: the proxy."""
+    loss: Literal["chunked", "whole"] = Field("chunked", json_schema_extra={
+        "fix": "use --loss chunked (the default) or whole"})
+    """How a --model's step takes its loss: ``chunked`` (:func:`cptune.hf.causal_lm_loss`: never the whole logits,
+    vocabulary-parallel under tp), or ``whole`` (the model's own ``.loss`` from the whole logits, for a step that
+    needs them)."""
     model_overrides: dict[str, Any] | None = Field(None, json_schema_extra={
         "fix": "give --model-override as KEY=VALUE, e.g. num_hidden_layers=4"})
     """Config fields changed before the model is built (e.g. fewer layers for a quick probe)."""
@@ -76,13 +81,13 @@ class Workload(StrictModel):
                                        "use --causal with --window (cptune's searches model causal windows)"))
         return self
 
-    _ADDED = ("documents", "window", "model", "model_overrides")  # fields after 0.1.0's studies: left out at their default
+    _ADDED = ("documents", "window", "model", "model_overrides", "loss")  # fields after 0.1.0's studies: left out at their default
 
     def question(self) -> dict:
         """This workload as a study's question (its name's hash and the resume check): fields added since
         studies were first named are left out at their defaults, so those studies still resume."""
         data = self.model_dump(mode="json")
-        return {k: v for k, v in data.items() if k not in self._ADDED or v is not None}
+        return {k: v for k, v in data.items() if k not in self._ADDED or v != type(self).model_fields[k].default}
 
     def document_ids(self) -> torch.Tensor | None:
         """(1, S) document ids of the packed sequence, or None when unpacked."""
@@ -122,4 +127,5 @@ class Workload(StrictModel):
         if self.model:
             changed = ",".join(f"{k}={v}" for k, v in (self.model_overrides or {}).items())
             base += f" model={self.model}" + (f" ({changed})" if changed else "")
+            base += " loss=whole" if self.loss == "whole" else ""
         return base + (f" step={self.step}" if self.step else "")

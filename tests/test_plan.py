@@ -273,15 +273,15 @@ def test_a_gpu_benchmark_sets_the_attention_efficiency():
 def test_the_step_model_prices_tensor_parallelism():
     """tp splits a layer's matmuls, heads and MLP width (their FLOPs, their activations, a rank's share of the
     layer's weights), and sequence parallelism the residual stream, for two all-reduces' bytes a layer pass; the
-    blocks' gathered inputs, the embeddings and the logits stay whole, so at a given cp tp trades some memory it
-    cannot divide for collectives."""
+    blocks' gathered inputs and the embeddings stay whole (the loss is vocabulary-parallel), so at a given cp tp
+    trades some memory it cannot divide for collectives."""
     dims = _dims()
     ring = cptune.CPConfig(mesh_shape=(1, 4), rotate_method="alltoall", load_balance=True)
     cp4, tp2 = _predict(ring), _predict(ring.model_copy(update={"mesh_shape": (1, 1, 4, 2)}))
     layers, root = dims.layers * dims.layer_params, dims.params - dims.layers * dims.layer_params
     assert cp4.memory["parameters"] == pytest.approx(4 * dims.params / 4, rel=1e-6)
     assert tp2.memory["parameters"] == pytest.approx(4 * (layers / 2 + root) / 4, rel=1e-6)  # FSDP2 over cp only
-    assert tp2.memory["logits"] == cp4.memory["logits"] and tp2.time["comm_tp"] > 0 and "comm_tp" not in cp4.time
+    assert tp2.memory["loss"] < cp4.memory["loss"] and tp2.time["comm_tp"] > 0 and "comm_tp" not in cp4.time
     assert tp2.time["dense"] < cp4.time["dense"] and tp2.time["attention"] == pytest.approx(cp4.time["attention"] / 2)
     assert cp4.memory["activations"] / 2 < tp2.memory["activations"] < cp4.memory["activations"]
     assert "tp2: gathers and reduce-scatters" in tp2.bottleneck
@@ -329,3 +329,29 @@ def test_the_plan_predicts_published_tp_and_cp_runs_within_15_percent():
     assert all(abs(r["error"]) <= 0.15 for r in predicted), [(r["config"], r["error"]) for r in predicted]
     skipped = [r for r in n["rows"] if r["predicted"] is None]
     assert [r["config"].split(",")[1].strip() for r in skipped] == ["PP 2"]
+
+
+def test_the_step_model_prices_the_loss_as_it_is_built():
+    """The chunked loss holds one chunk of float32 logits over a tp rank's share of the vocabulary and a float a
+    token; ``loss: whole`` (``cptune search --loss whole``) the whole logits; under tp the head's matmul is split,
+    and recomputed in backward. Issue 52's 70B case at 1M tokens fits 64 H100s, where the whole logits left nothing
+    fitting."""
+    from cptune._head import chunk_tokens_for
+
+    dims = _dims()
+    ring = cptune.CPConfig(mesh_shape=(1, 4), rotate_method="alltoall", load_balance=True)
+    tokens = 131072 // 4
+    chunked, whole = _predict(ring), _predict(ring, loss="whole")
+    assert whole.memory["loss"] == tokens * dims.vocab * (2 + 8)
+    assert chunked.memory["loss"] == chunk_tokens_for(dims.vocab) * dims.vocab * (2 + 8) + 4 * tokens
+    tp2 = _predict(ring.model_copy(update={"mesh_shape": (1, 1, 4, 2)}))
+    assert tp2.memory["loss"] == chunk_tokens_for(dims.vocab) * dims.vocab // 2 * (2 + 8) + 4 * tokens
+    assert chunked.time["dense"] == whole.time["dense"]  # at tp 1 the same FLOPs
+    tp2_whole = _predict(ring.model_copy(update={"mesh_shape": (1, 1, 4, 2)}), loss="whole")
+    assert tp2.time["dense"] < tp2_whole.time["dense"] and tp2.time["recompute"] > tp2_whole.time["recompute"]
+    big = P.dims_from_values(80, 8192, 64, 8, 28672, 128256)
+    plans = {loss: P.plan(big, P.plan_workload(big, 1048576).model_copy(update={"loss": loss}),
+                          P.load_hardware("h100"), 64) for loss in ("chunked", "whole")}
+    best = plans["chunked"].best
+    assert best is not None and best.peak_bytes <= plans["chunked"].budget and best.memory["loss"] < 2**30
+    assert plans["whole"].best is None

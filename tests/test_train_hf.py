@@ -61,7 +61,7 @@ def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_che
     run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "3", "--resume", "--losses-out",
          "d.json"], tmp_path)
     c, d = losses(tmp_path / "c.json"), losses(tmp_path / "d.json")
-    assert (c["dp"], c["cp"]) == (1, 2) and d["start"] == 2
+    assert (c["dp"], c["cp"]) == (1, 2) and d["start"] == 2 and c["loss"] == "vocab-parallel"
     assert max(abs(x - y) for x, y in zip(c["losses"] + d["losses"], one["losses"])) <= 1e-5, (c, d, one)
 
 
@@ -73,6 +73,12 @@ def test_the_same_run_twice_gives_the_same_losses(tmp_path):
              "--losses-out", name], tmp_path)
     a, b = losses(tmp_path / "a.json")["losses"], losses(tmp_path / "b.json")["losses"]
     assert len(a) == 2 and all(x == x for x in a) and a == b, (a, b)
+    # a recipe that asks for the whole logits (cptune search --loss whole) trains with them: the same losses
+    _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=64, batch=2, loss="whole"), (1, 1))
+    run([sys.executable, SCRIPT, "--recipe", "r.yaml", "--steps", "2", "--losses-out", "whole.json"], tmp_path)
+    whole = losses(tmp_path / "whole.json")
+    assert losses(tmp_path / "a.json")["loss"] in ("torch", "cptune") and whole["loss"] == "whole logits (asked)"
+    assert max(abs(x - y) for x, y in zip(whole["losses"], a)) <= 1e-5, (whole, a)
 
 
 def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
@@ -96,6 +102,7 @@ def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
          "--batch", str(dp), "--documents", "1", "--steps", "2", "--losses-out", "one.json"], tmp_path)
     one, cp = losses(tmp_path / "one.json"), losses(tmp_path / "cp.json")
     assert cp["world"] == 2 and max(abs(x - y) for x, y in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
+    assert w.loss == "chunked" and cp["loss"] in ("torch", "cptune")  # the loss the search measured
 
 
 def test_a_model_search_with_max_tp_measures_the_model_split_by_tensor_parallelism(tmp_path):
@@ -114,6 +121,10 @@ def test_a_model_search_with_max_tp_measures_the_model_split_by_tensor_paralleli
     refused = subprocess.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--max-tp", "2"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "--max-tp: is 2 but there is no model to split" in refused.stderr, refused.stderr
+    refused = subprocess.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--loss", "whole"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "--loss: is how a --model's step takes its loss" in refused.stderr, \
+        refused.stderr
     # the study's axes hold tp: resumed by name without --max-tp, it is another question, said by name
     other = subprocess.run([*search, "--study-name", found["study_name"]], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300)

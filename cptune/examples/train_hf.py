@@ -5,8 +5,9 @@
     CPTUNE_RECIPE=recipes/MODEL.yaml torchrun --standalone --nproc-per-node=2 examples/train_hf.py --steps 20
 
 A recipe from ``cptune search --model PATH`` carries the model (path and overrides), sequence
-length, batch per replica, packed documents, activation checkpointing and compile; flags here
-override them. The model is built from its ``config.json`` on the meta device and made one
+length, batch per replica, packed documents, activation checkpointing, compile and the loss
+(``--loss``: chunked, never the whole logits and vocabulary-parallel under tp, or the model's own
+from the whole logits); flags here override them. The model is built from its ``config.json`` on the meta device and made one
 FSDP2-sharded decoder layer at a time (``cptune.models.build_model``: no rank ever holds the
 whole model) with random weights, or with ``--weights`` the model directory's safetensors
 (``save_pretrained``'s, bf16/fp16 into float32) read straight into each rank's shards; nothing is
@@ -186,6 +187,9 @@ def resume(folder: Path, model, optimizer, scheduler) -> int:
 @click.option("--warmup", type=options.Whole(0), default=2, show_default=True, help="Steps of linear LR warm-up.")
 @options.ac
 @options.compile_
+@click.option("--loss", type=options.OneOf(["chunked", "whole"]), default=None,
+              help="The loss in chunks, never the whole logits (vocabulary-parallel under tp), or the model's own "
+                   "from the whole logits [default: the recipe's, else chunked].")
 @click.option("--fsdp/--no-fsdp", default=True, show_default=True,
               help="FSDP2 over every rank when launched on several (else gradients averaged by hand).")
 @click.option("--checkpoint-dir", type=options.FOLDER, default=None, help="Save checkpoints here (DCP).")
@@ -205,7 +209,7 @@ def main(**given) -> None:
 
 
 def checked(recipe_path, model, model_overrides, weights, data, eos_id, documents, seq_len, batch, ac, compile_,
-            checkpoint_dir, resume, save_every, export, **rest) -> SimpleNamespace:
+            loss, checkpoint_dir, resume, save_every, export, **rest) -> SimpleNamespace:
     """Every option read and checked together, before any rank starts or a model is built."""
     recipe = options.read_recipe(recipe_path)
     w = recipe.workload if recipe else cptune.Workload(seq_len=256, batch=2)
@@ -236,7 +240,7 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     return SimpleNamespace(
         **rest, recipe=recipe, config=config, dims=dims, dp=dims.dp, cp=dims.cp, batch=batch, path=path,
         hf_config=hf_config,
-        weights=weights, seq_len=seq_len, ac=ac, compile=compile_, spec=spec, vocab=vocab, data=data,
+        weights=weights, seq_len=seq_len, ac=ac, compile=compile_, loss=loss or w.loss, spec=spec, vocab=vocab, data=data,
         documents=read_documents(data, eos_id, vocab) if data else None, resume=resume, save_every=save_every,
         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
         export=models.check_export(export, "export") if export else None)
@@ -279,7 +283,7 @@ def train(args: SimpleNamespace) -> None:
         packed = world > 1 and bool((docs[:, -1] != docs[:, 0]).any())  # else: one document per row, plain causal
         with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=config,
                                      documents=docs if packed else None):
-            loss = causal_lm_loss(model, ids, labels, position_ids=positions)
+            loss = causal_lm_loss(model, ids, labels, position_ids=positions, whole=args.loss == "whole")
             loss.backward()  # inside the block: checkpointed layers recompute with CP attention
         loss = loss.detach()
         if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean
@@ -304,11 +308,12 @@ def train(args: SimpleNamespace) -> None:
         dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
         print(f"world {world} ({args.dims.label()}), seq_len {seq_len}, batch {batch}, config: {config.label()}, "
-              f"ac={args.ac} compile={args.compile} fsdp={fsdp_mesh is not None} "
+              f"ac={args.ac} compile={args.compile} fsdp={fsdp_mesh is not None} loss={model._cptune_loss_path} "
               f"documents={args.spec or args.data or 'none'}")
         if args.losses_out:
             with open(args.losses_out, "w") as f:
-                json.dump({"losses": losses, "start": start, "world": world, "dp": dp, "cp": cp, "peaks": peaks}, f)
+                json.dump({"losses": losses, "start": start, "world": world, "dp": dp, "cp": cp, "peaks": peaks,
+                           "loss": model._cptune_loss_path}, f)
     if args.export is not None:
         models.export_model(model, args.export, dtype=getattr(torch, args.export_dtype))
         if rank == 0:

@@ -3,7 +3,7 @@
 ::
 
     dims = cptune.plan.dims_from_config("path/to/model")                  # or ModelDims(layers=..., ...)
-    hw = cptune.plan.load_hardware("h100")                                # shipped: a100 h100 h200 b200 cpu
+    hw = cptune.plan.load_hardware("h100")                                # shipped: profile_names()
     result = cptune.plan.plan(dims, cptune.plan.plan_workload(dims, 131072), hw, gpus=64, gpus_per_node=8)
     print(result.table())
 

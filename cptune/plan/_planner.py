@@ -74,8 +74,7 @@ class Plan:
         return (f"The closest, {close.point.label()}, needs {format_size(close.peak_bytes)} per GPU against "
                 f"{format_size(self.budget)} ({', '.join(f'{k} {format_size(v)}' for v, k in parts)}). {more}It "
                 "would take more GPUs, a shorter --seq-len or a larger --memory-budget; or what cptune does not "
-                "plan: a vocabulary-parallel or chunked loss (the logits sharded, or never whole), activation "
-                "offloading, or pipeline parallelism (the layers split into stages)")
+                "plan: activation offloading, or pipeline parallelism (the layers split into stages)")
 
     def header(self) -> str:
         nodes = max(1, self.gpus // self.gpus_per_node)
@@ -156,11 +155,12 @@ def with_more_gpus(result: Plan, factors: tuple[int, ...] = (2, 4), max_tp: int 
 
 def plan_workload(dims: ModelDims, seq_len: int, batch: int = 1, dtype: str = "bfloat16", causal: bool = True,
                   documents: str | None = None, window: int | None = None, model: str | None = None,
-                  overrides: dict | None = None) -> Workload:
-    """The workload a plan predicts: ``dims``' attention shape at ``seq_len`` (``batch`` sequences per replica)."""
+                  overrides: dict | None = None, loss: str = "chunked") -> Workload:
+    """The workload a plan predicts: ``dims``' attention shape at ``seq_len`` (``batch`` sequences per replica),
+    ``loss`` taken as :class:`~cptune.Workload` says."""
     return Workload(seq_len=seq_len, batch=batch, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
                     layers=dims.layers, dtype=dtype, causal=causal, documents=documents, window=window, model=model,
-                    model_overrides=overrides or None)
+                    model_overrides=overrides or None, loss=loss)
 
 
 def predicted_recipe(result: Plan, command: str | None = None):

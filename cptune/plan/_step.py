@@ -14,8 +14,9 @@ gather); PyTorch's all-gather rotation and Ulysses' all-to-alls are exposed. Wha
 reported as exposed communication.
 
 Memory: parameters, gradients and AdamW states sharded by FSDP over dp x cp, the gathered layers,
-activations per AC mode, the logits, the attention's temporaries and communication buffers, and
-the process's baseline.
+activations per AC mode, the loss's working set (cptune's chunked loss: one chunk's float32 logits over this tp
+rank's share of the vocabulary, and a float per token; ``loss: whole``: the whole logits), the attention's
+temporaries and communication buffers, and the process's baseline.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .._head import chunk_tokens_for
 from ..attention import Layout, documents_from_lengths, kv_replication, lengths_from_spec, needs, token_work, \
     work_chunks
 from ..config import CPConfig, decide_load_balance
@@ -219,14 +221,18 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
 
     # -- compute -------------------------------------------------------------------------
     matmul = (dims.layer_params - 2 * h) / tp if not dims.attention_only else 0
-    dense_fwd = 2 * tokens * (L * matmul + (h * dims.vocab if dims.vocab and not dims.attention_only else 0))
+    # the LM head and loss: chunked, each tp rank its share of the vocabulary (recomputed in backward under tp); whole
+    # (loss: whole), every tp rank the whole vocabulary
+    head = 0 if dims.attention_only or not dims.vocab else dims.vocab / (tp if w.loss == "chunked" else 1)
+    head_recompute = 2 * tokens * h * head if w.loss == "chunked" and tp > 1 else 0
+    dense_fwd = 2 * tokens * (L * matmul + h * head)
     pairs = busiest_pairs(w, ring, lb) * b
     attn_fwd = 4 * dims.head_dim * (heads / ulysses) * pairs * L
     # elementwise traffic per token: the residual stream's and the heads' (split by tp), the gathered inputs, the MLP's
     per_token = 3 * hq if dims.attention_only else 14 * h / tp + gathered_in + 6 * f
     expanded = 2 * hq if dims.kv_expanded else 0  # repeat_kv writes query-wide K and V (and autograd keeps them)
     per_token += expanded
-    elem_fwd = tokens * L * per_token * e + (tokens * dims.vocab * 12 if not dims.attention_only else 0)
+    elem_fwd = tokens * L * per_token * e + tokens * head * 12
     dense_t, attn_fwd_t, elem_t = dense_fwd / gemm_rate, attn_fwd / attn_rate, elem_fwd / mem_rate
     # selective checkpointing keeps the matmuls and the ring's attention ops; without a ring (cp = 1, or
     # Ulysses alone) attention is a plain SDPA call, which the policies recompute like the elementwise ops
@@ -243,6 +249,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     merge_passes = 2 if point.ac == "full" else 1
     per_step = merge_passes * (fwd_q * hq + fwd_kv * kv_att) + bwd_q * hq + bwd_kv * kv_att
     merge = L * received * tokens * per_step / mem_rate
+    recompute += head_recompute / gemm_rate
     compute = 3 * dense_t + attention_t + 3 * elem_t + recompute + overhead + merge
 
     # -- communication (per layer, this rank) -----------------------------------------------
@@ -308,7 +315,10 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
     # layer's recomputed activations too
     activations = tokens * (L * kept + full_layer + (full_layer if point.ac != "none" else 0))
-    logits = tokens * dims.vocab * (e + 8) if not dims.attention_only else 0
+    if w.loss == "whole":
+        loss = tokens * head * (e + 8)  # the logits, their float32 copy and its gradient
+    else:  # a chunk's, and each token's log-normalizer (vocabulary-parallel) or its target's logit
+        loss = min(tokens, chunk_tokens_for(dims.vocab)) * head * (e + 8) + tokens * 4 if head else 0
     q_local = tokens * hq
     kv_local = tokens * kv_att
     temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
@@ -316,7 +326,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
     memory = {"baseline": hw.baseline_bytes, "parameters": int(4 * p // shards), "gradients": int(4 * p // shards),
               "optimizer": int(8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
-              "activations": int(activations), "logits": int(logits), "attention_buffers": int(temps)}
+              "activations": int(activations), "loss": int(loss), "attention_buffers": int(temps)}
     peak = sum(memory.values())
     tps = dp * b * s / step
     pred = Prediction(point=point, step_s=step, tokens_per_s=tps, tokens_per_s_per_gpu=tps / world, time=time,

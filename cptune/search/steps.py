@@ -113,7 +113,8 @@ def build_model_step(workload: Workload, device: torch.device, dims: ParallelDim
     labels, positions = packed_labels_and_positions(input_ids, workload.document_ids())
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> None:
-        causal_lm_loss(model, input_ids, labels, position_ids=position_ids).backward()  # as train_hf trains it
+        causal_lm_loss(model, input_ids, labels, position_ids=position_ids,  # as train_hf trains it
+                       whole=workload.loss == "whole").backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
