@@ -8,19 +8,25 @@ process (peak = the process's high-water mark over the call, less its resident m
 Paths: "whole" (``F.linear`` then ``F.cross_entropy`` on float32 logits, what a causal LM's loss does), "torch"
 (torch's chunked ``linear_cross_entropy``, cptune's default), "cptune" (cptune's own checkpointed chunks, what a
 softcapped head takes). The step: a transformers Llama (2 layers, hidden 512, the same vocabulary) on one process,
-forward and backward of ``model(...).loss`` against :func:`cptune.hf.causal_lm_loss`. Goals (issue 52): the loss's
-peak <= 0.1x the whole logits', the step's time <= 1.05x. Results: benchmarks/results/loss-<stamp>.json.
+forward and backward of ``model(...).loss`` against :func:`cptune.hf.causal_lm_loss`. Under tensor parallelism,
+on real ranks (each rank's peak, the worst reported; 1 thread a rank): the loss alone on 2 tp ranks, each rank its
+rows of the head ("vocab-parallel") against each rank the whole logits (what a head whole on every tp rank takes),
+and the same Llama's step as tp2·cp2 on 4 ranks (``cptune.models.build_model`` on the model mesh, the CP block)
+with ``causal_lm_loss`` against ``whole=True``. Goals (issue 52): the loss's peak <= 0.1x the whole logits', the
+step's time <= 1.05x. Results: benchmarks/results/loss-<stamp>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .report import run_json, save_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +49,9 @@ def _measure(fn) -> dict:
 
 
 def _loss_alone(path: str, tokens: int, hidden: int, vocab: int) -> dict:
+    """The loss alone: "whole" logits, "torch" or "cptune" chunks, or "vocab-parallel" over the ranks (torchrun)."""
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
 
     from cptune._head import loss_sum
@@ -56,6 +64,8 @@ def _loss_alone(path: str, tokens: int, hidden: int, vocab: int) -> dict:
     def call():
         if path == "whole":
             loss = F.cross_entropy(F.linear(h, w).float(), labels, reduction="sum")
+        elif path == "vocab-parallel":
+            loss = loss_sum(h, w, labels, group=dist.group.WORLD)[0]
         else:
             loss = loss_sum(h, w, labels, path=path)[0]
         loss.backward()
@@ -90,14 +100,58 @@ def _step(path: str, tokens: int, hidden: int, vocab: int) -> dict:
     return _measure(call)
 
 
+def _tp_step(path: str, tokens: int, hidden: int, vocab: int) -> dict:
+    """On each of 4 ranks (torchrun): the Llama's step as tp2·cp2, the loss chunked (vocabulary-parallel) or whole."""
+    import torch
+    import transformers
+
+    import cptune
+    from cptune import models
+    from cptune.hf import causal_lm_loss
+    from cptune.mesh import ParallelDims
+
+    dims = ParallelDims(1, 1, 2, 2)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                      max_position_embeddings=tokens)
+    model = models.build_model(config, "cpu", fsdp_mesh=dims.model_mesh("cpu"), ac="none")
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    labels, positions = cptune.shift_labels(ids), torch.arange(tokens).view(1, tokens)
+    cp_config = cptune.CPConfig(mesh_shape=dims.shape)
+
+    def call():
+        with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=cp_config):
+            causal_lm_loss(model, ids, labels, position_ids=positions, whole=path == "whole").backward()
+        model.zero_grad(set_to_none=True)
+
+    return _measure(call)
+
+
+def rank_job(kind: str, path: str, tokens: int, hidden: int, vocab: int) -> None:
+    """Under torchrun: one tp measurement on every rank; rank 0 prints the worst rank's peak and time as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    import cptune
+
+    torch.set_num_threads(1)
+    _, world, rank = cptune.init_rank()
+    got = (_loss_alone if kind == "tp-loss" else _tp_step)(path, tokens, hidden, vocab)
+    every = [None] * world
+    dist.all_gather_object(every, got)
+    if rank == 0:
+        print(json.dumps({"peak_rise": max(r["peak_rise"] for r in every),
+                          "seconds": max(r["seconds"] for r in every), "ranks": world}))
+    cptune.close_rank()
+
+
 def _one(kind: str, path: str, tokens: int, hidden: int, vocab: int) -> dict:
-    """One measurement in a fresh process (so no allocator state carries over)."""
-    out = subprocess.run([sys.executable, "-m", "benchmarks.loss", "--one", kind, path, "--tokens", str(tokens),
-                          "--hidden", str(hidden), "--vocab", str(vocab)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=1800, env={"OMP_NUM_THREADS": "2", **__import__("os").environ})
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """One measurement in a fresh process (so no allocator state carries over); a tp one under torchrun."""
+    ranks = {"tp-loss": 2, "tp-step": 4}.get(kind)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks else [sys.executable]
+    return run_json([*launcher, "-m", "benchmarks.loss", "--one", kind, path, "--tokens", str(tokens), "--hidden",
+                     str(hidden), "--vocab", str(vocab)], ROOT, env={"OMP_NUM_THREADS": "2", **os.environ})
 
 
 def main(argv: list[str]) -> int:
@@ -109,28 +163,34 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.one:
         kind, path = args.one
+        if kind.startswith("tp-"):
+            rank_job(kind, path, args.tokens, args.hidden, args.vocab)
+            return 0
         fn = _loss_alone if kind == "loss" else _step
         print(json.dumps(fn(path, args.tokens, args.hidden, args.vocab)))
         return 0
     size = (args.tokens, args.hidden, args.vocab)
-    results = {"size": dict(zip(("tokens", "hidden", "vocab"), size)), "loss": {}, "step": {}}
+    results = {"size": dict(zip(("tokens", "hidden", "vocab"), size)), "loss": {}, "step": {}, "tp-loss": {},
+               "tp-step": {}}
     for path in ("whole", "torch", "cptune"):
         results["loss"][path] = _one("loss", path, *size)
     for path in ("whole", "chunked"):
         results["step"][path] = _one("step", path, *size)
+    for path in ("whole", "vocab-parallel"):
+        results["tp-loss"][path] = _one("tp-loss", path, *size)
+        results["tp-step"][path] = _one("tp-step", path, *size)
     gib = 2 ** 30
     logits = args.tokens * args.vocab * 4
     print(f"{args.tokens} tokens x hidden {args.hidden} x vocabulary {args.vocab} (float32 logits "
-          f"{logits / gib:.2f} GiB), one process, median of 3")
+          f"{logits / gib:.2f} GiB); loss and step: one process; tp-loss: 2 tp ranks; tp-step: tp2·cp2 on 4 ranks "
+          "(the worst rank); median of 3")
     print("| what | path | peak rise | / whole | time | / whole |\n|---|---|---:|---:|---:|---:|")
-    for kind in ("loss", "step"):
+    for kind in ("loss", "step", "tp-loss", "tp-step"):
         whole = results[kind]["whole"]
         for path, r in results[kind].items():
             print(f"| {kind} | {path} | {r['peak_rise'] / gib:.2f} GiB | {r['peak_rise'] / whole['peak_rise']:.3f} | "
                   f"{r['seconds']:.2f} s | {r['seconds'] / whole['seconds']:.2f} |")
-    out = ROOT / "benchmarks" / "results" / f"loss-{time.strftime('%Y%m%d-%H%M')}.json"
-    out.write_text(json.dumps(results, indent=1))
-    print(f"results: {out.relative_to(ROOT)}")
+    save_results(ROOT, "loss", results)
     return 0
 
 

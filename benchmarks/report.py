@@ -8,6 +8,27 @@ from pathlib import Path
 from typing import Any
 
 
+def run_json(cmd: list[str], cwd: Path, timeout: int = 1800, env: dict | None = None) -> dict:
+    """The JSON object a benchmark's subprocess prints on its last line (its stderr's end raised on failure)."""
+    import subprocess
+
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return __import__("json").loads(out.stdout.strip().splitlines()[-1])
+
+
+def save_results(root: Path, name: str, results: dict) -> Path:
+    """``results`` as benchmarks/results/<name>-<stamp>.json under ``root``; its path printed and returned."""
+    import json
+    import time
+
+    out = root / "benchmarks" / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M')}.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(f"results: {out.relative_to(root)}")
+    return out
+
+
 def _best(oracle: dict, feasible_only: bool = True) -> str:
     rows = {k: r for k, r in oracle.items() if r["feasible"] or not feasible_only}
     return max(rows, key=lambda k: rows[k]["tokens_per_s"])

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import _tp_shards
 from .errors import Problem, ValidationError
 from .mesh import MODEL_DIMS
 
@@ -179,17 +180,28 @@ def _placed(x: torch.Tensor, mesh: Any, source: Any, target: Any) -> Any:
     return x.redistribute(mesh, [target])
 
 
-def gather_block_inputs(layer: nn.Module, blocks: list[str], tp_mesh: Any) -> None:
+def gather_block_inputs(layer: nn.Module, blocks: list[str], tp_mesh: Any, keep_shards: bool = False) -> None:
     """Each block of ``layer`` takes the whole sequence: its hidden states (first positional argument, or the
     ``hidden_states`` keyword) all-gathered over tp, kept a replicated DTensor so that the column-parallel matmuls
-    inside reduce-scatter its gradient."""
+    inside reduce-scatter its gradient. ``keep_shards``: backward keeps the shard and gathers again
+    (:mod:`cptune._tp_shards`), where the matmuls would keep the gathered input."""
     from torch.distributed.tensor import Replicate, Shard
 
+    def whole(x):
+        shard = _placed(x, tp_mesh, Shard(1), Shard(1))
+        out = shard.redistribute(tp_mesh, [Replicate()])
+        if keep_shards:
+            _tp_shards.remember(out, shard)
+        return out
+
     def gather(module, args, kwargs):
-        return _map_hidden(args, kwargs, lambda x: _placed(x, tp_mesh, Shard(1), Replicate()))
+        return _map_hidden(args, kwargs, whole)
 
     for name in blocks:
-        layer.get_submodule(name).register_forward_pre_hook(gather, with_kwargs=True)
+        block = layer.get_submodule(name)
+        block.register_forward_pre_hook(gather, with_kwargs=True)
+        if keep_shards:
+            _tp_shards.keep_shards(block)
 
 
 def split_sequence(layers: list[nn.Module], tp_mesh: Any) -> None:
@@ -228,14 +240,14 @@ def vocabulary_over(model: nn.Module, tp_mesh: Any) -> None:
         output._cptune_tp_group = tp_mesh.get_group()
 
 
-def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
+def apply_tp(layer: nn.Module, tp_mesh: Any, plan: dict[str, str], keep_shards: bool = False) -> None:
     """``layer`` split over ``tp_mesh`` by ``plan`` (style names) with sequence parallelism (:func:`sequence_parallel`,
-    :func:`gather_block_inputs`); the layers' ends are :func:`split_sequence`'s."""
+    :func:`gather_block_inputs`, ``keep_shards``); the layers' ends are :func:`split_sequence`'s."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     plan, blocks = sequence_parallel(layer, plan)
     parallelize_module(layer, tp_mesh, plan)
-    gather_block_inputs(layer, blocks, tp_mesh)
+    gather_block_inputs(layer, blocks, tp_mesh, keep_shards)
 
 
 def embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
@@ -257,26 +269,27 @@ def embedding_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 
 
 def parallelize_unit(unit: nn.Module, tp_mesh: Any, plan: dict[str, str] | None, shard: Any,
-                     reshard: bool = True) -> None:
+                     reshard: bool = True, keep_shards: bool = False) -> None:
     """One decoder layer (or the root, ``plan`` None): split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`), then
-    sharded by ``shard`` (:func:`sharder`; None: not sharded; ``reshard``: FSDP2's reshard_after_forward). ``build_model`` takes it a layer at a time, each
+    sharded by ``shard`` (:func:`sharder`; None: not sharded; ``reshard``: FSDP2's reshard_after_forward;
+    ``keep_shards``: :func:`gather_block_inputs`', for a unit neither checkpointed nor compiled). ``build_model`` takes it a layer at a time, each
     made just before; :func:`parallelize_layers` is the same for layers already made."""
     if plan is not None and tp_mesh is not None:
-        apply_tp(unit, tp_mesh, plan)
+        apply_tp(unit, tp_mesh, plan, keep_shards)
     if shard is not None:
         shard(unit) if reshard else shard(unit, reshard_after_forward=False)
 
 
 def parallelize_layers(model: nn.Module, layers: list[nn.Module] | nn.ModuleList, tp_mesh: Any,
-                       plan: dict[str, str] | None, shard: Any, wrap: Callable[[nn.Module], nn.Module] | None = None
-                       ) -> None:
+                       plan: dict[str, str] | None, shard: Any, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                       keep_shards: bool = False) -> None:
     """Each of ``layers`` split over ``tp_mesh`` by ``plan`` (:func:`apply_tp`; neither: not split), then replaced in
     ``layers`` by ``wrap(layer)`` (AC, compile), then sharded by ``shard`` (:func:`sharder`; None: not sharded); with
     tp the residual stream split between the first and the last (:func:`split_sequence`); the root sharded last."""
     split = plan is not None and tp_mesh is not None
     for i, layer in enumerate(layers):
         if split:
-            apply_tp(layer, tp_mesh, plan)
+            apply_tp(layer, tp_mesh, plan, keep_shards)
         if wrap is not None:
             layers[i] = wrap(layer)
     if split:
@@ -289,12 +302,15 @@ def parallelize_layers(model: nn.Module, layers: list[nn.Module] | nn.ModuleList
 
 
 def parallelize(model: nn.Module, layers: nn.ModuleList, mesh: Any = None, tp_plan: dict[str, str] | None = None,
-                wrap: Callable[[nn.Module], nn.Module] | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+                wrap: Callable[[nn.Module], nn.Module] | None = None, dtype: torch.dtype = torch.float32,
+                keep_shards: bool = False) -> nn.Module:
     """A plain PyTorch model parallelized in one step, in torchtitan's order, as ``cptune.models.build_model`` does a
     transformers one: each of ``layers`` (the model's blocks) split over ``mesh``'s tp dim by ``tp_plan`` (module
     names under a block -> ``"colwise"`` or ``"rowwise"``, transformers' style names) with sequence parallelism on
     the residual stream, then ``wrap(block)`` (activation checkpointing, compile: it returns the block to keep), then
-    FSDP2 over the data-parallel dims (HSDP across dp_replicate), the root last. ``mesh``:
+    FSDP2 over the data-parallel dims (HSDP across dp_replicate), the root last. ``keep_shards``: backward keeps
+    each block's input as this tp rank's sequence shard and gathers it again (Megatron's way), where the
+    column-parallel matmuls would keep it whole; only for blocks ``wrap`` neither checkpoints nor compiles. ``mesh``:
     :meth:`cptune.ParallelDims.model_mesh`, a 1-D mesh (FSDP2 alone), or None (``wrap`` alone). Returns ``model``."""
     tp_mesh, data = split_mesh(mesh, "mesh")
     plan = None
@@ -310,5 +326,5 @@ def parallelize(model: nn.Module, layers: nn.ModuleList, mesh: Any = None, tp_pl
                                            f"{type(layers[0]).__name__}", "name modules under a block, e.g. "
                                            f"{sorted(named - {''})[:3]}")])
         plan = tp_plan
-    parallelize_layers(model, layers, tp_mesh, plan, sharder(data, dtype), wrap)
+    parallelize_layers(model, layers, tp_mesh, plan, sharder(data, dtype), wrap, keep_shards)
     return model

@@ -241,6 +241,8 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     ``fsdp_mesh`` may also be the model's mesh of a named mesh (:meth:`cptune.ParallelDims.model_mesh`): each
     decoder layer is then split over its ``tp`` dim by the model's own TP plan first (torchtitan's order: TP,
     AC and compile, FSDP2), and FSDP2 shards over ``dp_shard_cp``, replicated over ``dp_replicate`` (HSDP).
+    Without AC or compile, backward keeps each split block's input as this tp rank's sequence shard and gathers it
+    again (:mod:`cptune._tp_shards`); under AC the recompute gathers it again.
 
     ``cp``: the CP degree it will train under; above 1, a model with layers that mix tokens outside attention is
     refused by name before anything is made (:func:`cp_problems`; the block refuses it at the first forward too)."""
@@ -257,12 +259,13 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     layers, shard = decoder_layers(model), P.sharder(fsdp_mesh, dtype)
     plan = P.layer_plan(config, layers) if tp_mesh is not None else None
     embeddings = P.embedding_units(model)
+    keep = ac in (None, "none") and not compile  # checkpointing gathers again already; compile takes no hooks
     inside = {id(m) for unit in [*layers, *(e for e, _ in embeddings)] for m in unit.modules()}
     rest = [m for m in model.modules() if id(m) not in inside]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i, layer in enumerate(layers):
             _materialize(model, list(layer.modules()), device, seed, i + 1)
-            P.parallelize_unit(layer, tp_mesh, plan, shard)
+            P.parallelize_unit(layer, tp_mesh, plan, shard, keep_shards=keep)
         for j, (unit, reshard) in enumerate(embeddings):  # untied embedding and head: units of their own
             _materialize(model, list(unit.modules()), device, seed, len(layers) + 1 + j)
             P.parallelize_unit(unit, None, None, shard, reshard)
@@ -341,7 +344,7 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
         model.to(dtype)
     layers = decoder_layers(model)
     P.parallelize_layers(model, layers, tp_mesh, P.layer_plan(model.config, layers) if tp_mesh is not None else None,
-                         shard)
+                         shard, keep_shards=ac == "none" and not compile)
     return model
 
 

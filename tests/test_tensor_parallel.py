@@ -2,7 +2,8 @@
 FSDP2 over dp_shard x cp, on 4 real ranks (tp2·cp2, dp2·tp2, tp4). A bf16 checkpoint in several files loads straight
 into the shards, each rank holding its share of every split weight; logits and every parameter gradient under the CP
 block equal one process's, eager and under activation checkpointing and compile, with the residual stream split by
-token over tp (sequence parallelism) and the loss vocabulary-parallel over tp (cptune.hf.causal_lm_loss); the export is what from_pretrained loads. Models whose plan cptune does not apply, and a tp the heads cannot take, are refused by name before anything
+token over tp (sequence parallelism), each block's input kept for backward as that shard without AC, and the loss
+vocabulary-parallel over tp (cptune.hf.causal_lm_loss); the export is what from_pretrained loads. Models whose plan cptune does not apply, and a tp the heads cannot take, are refused by name before anything
 is built."""
 
 import re
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cptune
-from cptune import models
+from cptune import _tp_shards, models
 from cptune._parallelize import PER_HEAD
 from cptune.hf import causal_lm_loss
 from cptune.mesh import ParallelDims
@@ -54,7 +55,9 @@ def _tp_case(folder, dims, ac="none", compile=False, export=None):
     with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=cp_config) as block:
         with torch.no_grad():  # before the step: FSDP2 drops the root's gradients at a forward after backward
             logits = block.unshard(_loss_and_logits(model, ids, labels, positions)[1], 1)
+        kept = _tp_shards.stats["kept_as_shard"]
         loss = causal_lm_loss(model, ids, labels, position_ids=positions)  # vocabulary-parallel over tp
+        kept = _tp_shards.stats["kept_as_shard"] - kept
         loss.backward()
     whole = loss.detach().clone()
     dist.all_reduce(whole)  # each rank's loss: its tokens' sum over the count per data rank (FSDP2 averages)
@@ -64,7 +67,8 @@ def _tp_case(folder, dims, ac="none", compile=False, export=None):
         grads = max(grads, (p.grad.full_tensor() - want[name].grad).abs().max().item())
         shares[name] = p.to_local().numel() / p.numel()
     out = {"logits": (logits - want_logits).abs().max().item(), "grads": grads, "shares": shares, "stream": stream,
-           "loss": abs(whole.item() / dist.get_world_size() - want_loss.item() / count.item()), "path": model._cptune_loss_path}
+           "loss": abs(whole.item() / dist.get_world_size() - want_loss.item() / count.item()), "path": model._cptune_loss_path,
+           "kept": kept}
     if export is not None:
         models.export_model(model, export)
         dist.barrier()
@@ -105,6 +109,8 @@ def test_a_checkpoint_loads_into_tp_and_fsdp_shards_and_trains_exactly(ranks, tm
         for r in per_rank:
             assert r["logits"] <= 1e-5 and r["grads"] <= 1e-5, (family, dims, ac, comp, r["logits"], r["grads"])
             assert r["loss"] <= 1e-5 and r["path"] == "vocab-parallel", (family, dims, r["loss"], r["path"])
+            # without AC, backward keeps each block's input as the sequence shard (gathered again: the same values)
+            assert (r["kept"] > 0) == (ac == "none" and not comp), (family, dims, ac, comp, r["kept"])
             # sequence parallelism: between the layers a rank holds its cp rank's tokens split over tp
             assert set(r["stream"]) == {IDS.shape[1] // (dims.cp * dims.tp)}, (family, dims, r["stream"])
             split = {n: s for n, s in r["shares"].items() if _plan_split(n, config)}

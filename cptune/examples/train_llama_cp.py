@@ -153,7 +153,8 @@ def parallelize(model: Llama, ac: str, compile_blocks: bool, mesh=None) -> Llama
                 create_selective_checkpoint_contexts, _keep_matmuls_and_ring))
         return torch.compile(block) if compile_blocks else block
 
-    return cptune.parallelize(model, model.blocks, mesh, tp_plan=TP_PLAN, wrap=wrap)
+    return cptune.parallelize(model, model.blocks, mesh, tp_plan=TP_PLAN, wrap=wrap,
+                              keep_shards=ac == "none" and not compile_blocks)
 
 
 def make_batch(step: int, batch: int, seq_len: int, vocab: int, device: torch.device,

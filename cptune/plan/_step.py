@@ -204,6 +204,10 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     # input gathered whole, kept by its column-parallel matmuls); the embeddings and the LM head stay whole
     h, hq, kv, f, L = dims.hidden, dims.q_width // tp, dims.kv_width // tp, dims.ffn // tp, dims.layers
     gathered_in = 2 * h if tp > 1 else 0  # per token: the attention's and the MLP's whole inputs
+    # kept for backward: whole under compile; as this tp rank's shard without AC (gathered again in backward,
+    # cptune._tp_shards); under AC the recompute gathers them again
+    keep_shards = tp > 1 and point.ac == "none" and not w.compile
+    kept_in = gathered_in / tp if keep_shards else gathered_in
     kv_heads = dims.attended_kv_heads // tp
     heads = dims.heads // tp
     rep = kv_replication(heads, kv_heads, ulysses) if ulysses > 1 else 1
@@ -268,8 +272,9 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
             exposed += ring_t
     if tp > 1:  # a layer pass: the blocks' all-gathers and reduce-scatters (an all-reduce's bytes each pair), exposed
         one = links.seconds(2 * tokens * h * e * (tp - 1) / tp, 2 * (tp - 1), tp)
-        # forward, backward, then the recompute: full AC's whole forward, selective's two all-gathers
-        comm["tp"] = L * (2 + 2 + {"none": 0, "selective": 1, "full": 2}[point.ac]) * one
+        # forward, backward, then the recompute: full AC's whole forward, selective's two all-gathers (and no AC's
+        # when backward gathers the kept shards again)
+        comm["tp"] = L * (2 + 2 + {"none": int(keep_shards), "selective": 1, "full": 2}[point.ac]) * one
         exposed += comm["tp"]
     if ulysses > 1:
         one = links.seconds(tokens * exchanged * (ulysses - 1) / ulysses, 4 * (ulysses - 1), ulysses * tp)
@@ -309,7 +314,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         # token under sequence parallelism, where the blocks' gathered inputs are kept whole), q and k before and
         # after rotary, v, the attention's output and its transposed copy, four MLP tensors; selective keeps the
         # layer's input and the two row-parallel matmuls' outputs (whole, before their reduce-scatter)
-        full_layer = (6 * h / tp + gathered_in + 4 * hq + 3 * kv + expanded + 4 * f) * e + lse + ring_extra + exchanged
+        full_layer = (6 * h / tp + kept_in + 4 * hq + 3 * kv + expanded + 4 * f) * e + lse + ring_extra + exchanged
         selective = (h / tp + 2 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + exchanged
         kept = {"none": full_layer, "selective": selective, "full": h * e / tp}[point.ac]
     # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
