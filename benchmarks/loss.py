@@ -31,8 +31,9 @@ from .report import run_json, save_results
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _measure(fn) -> dict:
-    """Peak rise (bytes) and median seconds of ``fn`` (one warm-up, then 3 timed calls, the peak over them)."""
+def _measure(fn, repeats: int = 3) -> dict:
+    """Peak rise (bytes) and median seconds of ``fn`` (one warm-up, then ``repeats`` timed calls, the peak over
+    them)."""
     import torch
 
     from cptune.search.memory import current_usage, read_peak, reset_peak
@@ -41,7 +42,7 @@ def _measure(fn) -> dict:
     times = []
     before = current_usage(torch.device("cpu"))
     reset_peak(torch.device("cpu"))
-    for _ in range(3):
+    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)

@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from . import _mixers, _parallelize as P, _weights
+from ._halo import splittable
 from ._meta import materialize as _materialize, parameters_on_meta as _parameters_on_meta
 from ._mixers import decoder_layers
 from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
@@ -211,9 +212,10 @@ def cp_problems(config, cp: int, argument: str = "config.mesh_shape", model: nn.
 
 def whole_layers(config, model: nn.Module | None = None) -> dict[str, str]:
     """The modules of ``config``'s model that mix tokens outside attention and that cptune's generic path runs whole
-    over the gathered sequence under cp > 1 (:mod:`cptune._gathered`): path -> class name."""
+    over the gathered sequence under cp > 1 (:mod:`cptune._gathered`): path -> class name. Short convolutions the
+    halo path splits over cp (:mod:`cptune._halo`) are not among them."""
     made = model if model is not None else _empty_model(config)
-    return {path: type(m).__name__ for path, m in _mixers.model_coverage(made)[0].items()}
+    return {path: type(m).__name__ for path, m in _mixers.model_coverage(made)[0].items() if not splittable(m)}
 
 
 def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape",

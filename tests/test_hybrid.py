@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import cptune
 from benchmarks import matrix as M
-from cptune import _gathered, models
+from cptune import _gathered, _halo, models
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,7 +30,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
-def _one_layer(family: str, config: dict, packed: bool) -> dict[str, float]:
+def _one_layer(family: str, config: dict, packed: bool, path: str = "generic") -> dict[str, float]:
     """The layer's output, input gradient and parameter gradients on this rank's positions under the block, summed
     over ranks, against one process on the whole sequence (each document alone when packed), whose loss is summed
     the same way: each rank's positions' share, backward, then the next (a Gated DeltaNet's A_log and dt_bias
@@ -44,7 +44,11 @@ def _one_layer(family: str, config: dict, packed: bool) -> dict[str, float]:
     weight = torch.randn(2, SEQ, M.BASE["hidden_size"], generator=gen)
     documents = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)]).view(1, SEQ) if packed else None
 
-    _gathered.run_whole(module)
+    if path == "halo":
+        assert _halo.splittable(module)
+        _halo.run_split(module)
+    else:
+        _gathered.run_whole(module)
     ids = torch.zeros(1, SEQ, dtype=torch.long)
     with cptune.context_parallel(buffers=[ids], seq_dims=[1], config=cptune.CPConfig(**config),
                                  documents=documents) as block:
@@ -75,6 +79,7 @@ def _one_layer(family: str, config: dict, packed: bool) -> dict[str, float]:
 
 CONFIGS = {"ring, load balanced": {"load_balance": True}, "ring, in order": {"load_balance": False},
            "ulysses": {"strategy": "ulysses"}}
+HYBRID_4 = {"mesh_shape": (1, 4), "strategy": "hybrid", "ulysses_degree": 2, "load_balance": True}
 
 
 @pytest.mark.parametrize("family", list(LAYERS))
@@ -91,6 +96,17 @@ def test_a_token_mixing_layer_is_exact_by_the_generic_path(ranks, family):
         for packed in (False, True):
             for errors in group.run(_one_layer, family, config, packed):
                 assert max(errors.values()) <= 1e-5, (family, label, packed, errors)
+
+
+def test_a_short_convolution_is_exact_split_by_the_halo_exchange(ranks):
+    """LFM2's ShortConv on each rank's own tokens, the k - 1 before each of its runs received from the ranks holding
+    them: on 2 ranks under every layout above, packed and not, and on 4 ranks as a hybrid (2 ring shards of 2
+    Ulysses pieces, load balanced: runs of 4 tokens whose halo comes from other ranks)."""
+    cases = [(2, config) for config in CONFIGS.values()] + [(4, HYBRID_4)]
+    for world, config in cases:
+        for packed in (False, True):
+            for errors in ranks(world).run(_one_layer, "lfm2", config, packed, "halo"):
+                assert max(errors.values()) <= 1e-5, (config, packed, errors)
 
 
 def test_outside_a_block_and_with_cp_1_the_layer_is_called_as_it_is():

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import cptune
 from benchmarks import matrix as M
-from cptune import _mixers, models
+from cptune import _halo, _mixers, models
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,7 +51,7 @@ def _meta(family):
 @pytest.mark.parametrize("family,named,block", [
     ("qwen3_next", "linear_attn.conv1d", "linear_attn"), ("lfm2", "conv.conv", "conv"),
     ("bamba", "mamba.conv1d", "mamba"), ("minimax", "'linear_attention'", "self_attn")])
-def test_the_rule_names_each_layer_that_mixes_tokens_and_the_generic_path_covers_it(family, named, block):
+def test_the_rule_names_each_layer_that_mixes_tokens_and_a_path_covers_it(family, named, block):
     if M.tiny_config(family) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     try:
@@ -64,7 +64,9 @@ def test_the_rule_names_each_layer_that_mixes_tokens_and_the_generic_path_covers
     covered, left = _mixers.model_coverage(model)
     assert covered and all(path.endswith(f".{block}") for path in covered) and left == [], (covered, left)
     assert models.cp_problems(M.tiny_config(family), 2) == []  # exact by the generic path: nothing to refuse
-    assert set(models.whole_layers(M.tiny_config(family), model)) == set(covered)
+    split = {path for path, module in covered.items() if _halo.splittable(module)}  # the halo path's: LFM2's
+    assert (split == set(covered)) == (family == "lfm2"), split
+    assert set(models.whole_layers(M.tiny_config(family), model)) == set(covered) - split
 
 
 class _Shift(nn.Module):  # a family cptune has never seen: a token shift it has no rule for
@@ -113,7 +115,7 @@ def test_what_no_path_covers_is_refused_at_its_first_forward_in_a_block_and_by_p
 def test_the_plan_says_what_runs_whole_and_proposes_no_tp_a_family_cannot_take(tmp_path):
     from cptune.plan import dims_from_config, load_hardware, plan
 
-    for family in [f for f in ("qwen3_next", "qwen3", "qwen3_moe") if M.tiny_config(f) is not None]:
+    for family in [f for f in ("qwen3_next", "qwen3", "qwen3_moe", "lfm2") if M.tiny_config(f) is not None]:
         M.tiny_config(family).save_pretrained(tmp_path / family)
         path = str(tmp_path / family)
         result = plan(dims_from_config(path), cptune.Workload(seq_len=8192, model=path, heads=4, kv_heads=2,
@@ -124,6 +126,8 @@ def test_the_plan_says_what_runs_whole_and_proposes_no_tp_a_family_cannot_take(t
         assert shapes and not any(problems), (family, problems[:1])
         if family == "qwen3_next":  # cp > 1 by the generic path, which the step model says it does not price
             assert "3 x Qwen3NextGatedDeltaNet) run whole on every rank" in result.header(), result.header()
+        if family == "lfm2":  # its short convolutions split over cp (the halo path): nothing runs whole
+            assert "run whole" not in result.header() and any(d.cp > 1 for d in shapes), result.header()
         assert any(d.tp > 1 for d in shapes) == (family == "qwen3"), (family, shapes)  # q/k norms split; MoE not
 
 

@@ -1,0 +1,127 @@
+"""Short causal convolutions split over cp (LFM2's ShortConv), by a halo exchange: memory split like attention's.
+
+A short convolution of kernel k reads each token and the k - 1 before it. Inside a block of cp > 1 each rank runs
+the layer on its own tokens (its projections, the gate, the convolution, the output projection) and receives, for
+each run of consecutive positions it holds, the k - 1 tokens before the run from whichever rank holds them: each rank
+all-gathers the last k - 1 tokens of every run it holds (a few tokens a rank), so any layout works (load balancing's
+head-tail chunks, Ulysses' pieces). Backward sums each received token's gradient back to the rank that sent it.
+Packed documents: a token's window keeps only the tokens of its own document (the convolution restarts at each
+document, as one process running each document alone). Exact: the same products and sums as the model's ``Conv1d``,
+in another order (float32 rounding).
+
+A layer takes this path where :func:`splittable` recognizes it (LFM2's ``Lfm2ShortConv`` of transformers 4.56 and
+5.x: ``in_proj`` to B, C and x, a depthwise causal ``conv``, ``out_proj``); others take the generic path
+(:mod:`cptune._gathered`). Outside a block, or with cp = 1, the layer is called as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._session import active
+
+
+def splittable(module: nn.Module) -> bool:
+    """Whether ``module`` is a short-convolution layer this path runs split: a ``*ShortConv`` whose ``in_proj`` makes
+    B, C and x (3 x the width), whose ``conv`` is a depthwise causal ``Conv1d`` over them, and an ``out_proj``."""
+    conv, proj, out = (getattr(module, n, None) for n in ("conv", "in_proj", "out_proj"))
+    return (type(module).__name__.endswith("ShortConv") and isinstance(conv, nn.Conv1d)
+            and isinstance(proj, nn.Linear) and isinstance(out, nn.Linear)
+            and conv.groups == conv.in_channels == conv.out_channels == out.in_features
+            and proj.out_features == 3 * conv.in_channels and conv.padding == (conv.kernel_size[0] - 1,)
+            and conv.stride == (1,) and conv.dilation == (1,))
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """(start, end) indices into ``positions`` of each run of consecutive global positions."""
+    cuts = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
+    return list(zip([0, *cuts], [*cuts, len(positions)]))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(layout, seq_len: int, halo: int) -> tuple[list[list[int]], dict[int, tuple[int, int]], int]:
+    """Per rank, the local indices of the last ``halo`` tokens of each run it holds; where each such global position
+    lies (rank, slot); and the most slots a rank sends."""
+    sends, where = [], {}
+    for rank in range(layout.cp):
+        positions = layout.indices(seq_len, rank).tolist()
+        slots = [i for a, b in _runs(positions) for i in range(max(a, b - halo), b)]
+        sends.append(slots)
+        where.update({positions[i]: (rank, s) for s, i in enumerate(slots)})
+    return sends, where, max(len(s) for s in sends)
+
+
+class _Edges(torch.autograd.Function):
+    """Every rank's edge tokens (b, slots, D) -> (cp, b, slots, D); backward: the sum over ranks, this rank's part."""
+
+    @staticmethod
+    def forward(ctx, edges, group, rank):
+        ctx.args = (group, rank)
+        parts = [torch.empty_like(edges) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, edges.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, rank = ctx.args
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad[rank], None, None
+
+
+def halo_conv(x: torch.Tensor, conv: nn.Conv1d, session) -> torch.Tensor:
+    """``conv`` (depthwise, causal) over the whole sequence, at this rank's tokens: ``x`` (b, s, D) this rank's, in
+    its local order; the tokens before each of its runs from the ranks that hold them."""
+    k = conv.kernel_size[0]
+    halo, layout, rank, group = k - 1, session.layout, session.cp_rank, session.group
+    seq_len = x.shape[1] * layout.cp
+    positions = layout.indices(seq_len, rank, x.device)
+    sends, where, width = _plan(layout, seq_len, halo)
+    mine = torch.tensor(sends[rank], dtype=torch.long, device=x.device)
+    edges = x.new_zeros(x.shape[0], width, x.shape[2])
+    edges = edges.index_copy(1, torch.arange(len(sends[rank]), device=x.device), x.index_select(1, mine))
+    gathered = _Edges.apply(edges, group, rank)  # (cp, b, width, D)
+    flat = gathered.transpose(0, 1).reshape(x.shape[0], layout.cp * width, x.shape[2])
+    zero = flat.new_zeros(x.shape[0], 1, x.shape[2])
+    table = torch.cat([flat, zero], dim=1)  # the last row: before the sequence's start
+    documents = session.documents
+    docs = None if documents is None or documents.shape[-1] != seq_len else documents.to(x.device)
+    weight = conv.weight[:, 0, :]  # (D, k): out[t] = sum_j weight[:, k - 1 - j] * x[t - j]
+    outs = []
+    for a, b in _runs(positions.tolist()):
+        start = int(positions[a])
+        before = [where[p][0] * width + where[p][1] if p >= 0 else layout.cp * width for p in range(start - halo, start)]
+        run = torch.cat([table[:, before], x[:, a:b]], dim=1)  # (b, halo + L, D)
+        glob = torch.arange(start, start + b - a, device=x.device)
+        out = run[:, halo:] * weight[:, k - 1]
+        for j in range(1, k):
+            term = run[:, halo - j:halo - j + b - a] * weight[:, k - 1 - j]
+            if docs is not None:  # a token's window keeps to its own document
+                same = (glob - j >= 0) & (docs[:, glob] == docs[:, (glob - j).clamp_min(0)])
+                term = term * same.unsqueeze(-1).to(term.dtype)
+            out = out + term
+        outs.append(out)
+    out = torch.cat(outs, dim=1)
+    return out if conv.bias is None else out + conv.bias
+
+
+@torch.compiler.disable
+def _split_forward(module: nn.Module, forward, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    session = active()
+    if session is None or session.cp == 1:
+        return forward(hidden_states, *args, **kwargs)
+    b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
+    y = c * halo_conv(b * x, module.conv, session)
+    return module.out_proj(y)
+
+
+def run_split(module: nn.Module) -> None:
+    """Make ``module`` (:func:`splittable`) take the halo path inside a block of cp > 1; idempotent."""
+    if getattr(module, "_cptune_split", False):
+        return
+    module.forward = functools.partial(_split_forward, module, module.forward)
+    module._cptune_split = True
