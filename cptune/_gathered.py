@@ -31,7 +31,7 @@ _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length
 runs on each document of the whole sequence."""
 
 
-class _GatherSequence(torch.autograd.Function):
+class GatherSequence(torch.autograd.Function):
     """All ranks' shards along ``dim`` in sequence order; backward: the sum of every rank's gradient of the whole,
     this rank's positions of it."""
 
@@ -71,8 +71,8 @@ def _join(parts: list[Any], dim: int) -> Any:
     return first
 
 
-def _segments(ids: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of each run of one document id along a row."""
+def segments(ids: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run of one value along a row (a document id; the halo path: position - index)."""
     change = (ids[1:] != ids[:-1]).nonzero().flatten().add(1).tolist()
     return list(zip([0, *change], [*change, ids.numel()]))
 
@@ -85,7 +85,7 @@ def _per_document(forward, hidden: torch.Tensor, kwargs: dict[str, Any], documen
     rows = []
     for b in range(1 if shared else batch):
         parts = []
-        for start, end in _segments(documents[b]):
+        for start, end in segments(documents[b]):
             def piece(t: torch.Tensor, b=b, start=start, end=end) -> torch.Tensor:
                 return (t if shared or t.shape[0] != batch else t[b:b + 1])[:, start:end]
 
@@ -104,7 +104,7 @@ def _whole_forward(module: nn.Module, forward, *args: Any, **kwargs: Any) -> Any
     hidden = kwargs.pop(names[0])
     local = hidden.shape[1]
     group, layout, rank = session.group, session.layout, session.cp_rank
-    whole = _GatherSequence.apply(hidden, 1, group, layout, rank)
+    whole = GatherSequence.apply(hidden, 1, group, layout, rank)
     kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
     kwargs = _map_sequence(kwargs, local, lambda t: A.gather(t.detach(), 1, group, layout))
     documents = session.documents

@@ -19,10 +19,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from ._gathered import GatherSequence, segments
 from ._session import active
+from .attention import Layout
 
 
 def splittable(module: nn.Module) -> bool:
@@ -36,41 +37,26 @@ def splittable(module: nn.Module) -> bool:
             and conv.stride == (1,) and conv.dilation == (1,))
 
 
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
+def _runs(positions: torch.Tensor) -> list[tuple[int, int]]:
     """(start, end) indices into ``positions`` of each run of consecutive global positions."""
-    cuts = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
-    return list(zip([0, *cuts], [*cuts, len(positions)]))
+    return segments(positions - torch.arange(positions.numel(), device=positions.device))
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(layout, seq_len: int, halo: int) -> tuple[list[list[int]], dict[int, tuple[int, int]], int]:
-    """Per rank, the local indices of the last ``halo`` tokens of each run it holds; where each such global position
-    lies (rank, slot); and the most slots a rank sends."""
-    sends, where = [], {}
+def _plan(layout, seq_len: int, halo: int) -> tuple[list[list[tuple[int, int, int]]], list[list[int]],
+                                                     dict[int, tuple[int, int]], int]:
+    """Per rank, its runs (start, end in its local order, the first's global position) and the local indices of
+    the last ``halo`` tokens of each run; where each such global position lies (rank, slot); and the most slots a
+    rank sends."""
+    runs, sends, where = [], [], {}
     for rank in range(layout.cp):
-        positions = layout.indices(seq_len, rank).tolist()
-        slots = [i for a, b in _runs(positions) for i in range(max(a, b - halo), b)]
+        positions = layout.indices(seq_len, rank)
+        found = _runs(positions)
+        runs.append([(a, b, int(positions[a])) for a, b in found])
+        slots = [i for a, b in found for i in range(max(a, b - halo), b)]
         sends.append(slots)
-        where.update({positions[i]: (rank, s) for s, i in enumerate(slots)})
-    return sends, where, max(len(s) for s in sends)
-
-
-class _Edges(torch.autograd.Function):
-    """Every rank's edge tokens (b, slots, D) -> (cp, b, slots, D); backward: the sum over ranks, this rank's part."""
-
-    @staticmethod
-    def forward(ctx, edges, group, rank):
-        ctx.args = (group, rank)
-        parts = [torch.empty_like(edges) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, edges.contiguous(), group=group)
-        return torch.stack(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group, rank = ctx.args
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=group)
-        return grad[rank], None, None
+        where.update({int(positions[i]): (rank, s) for s, i in enumerate(slots)})
+    return runs, sends, where, max(len(s) for s in sends)
 
 
 def halo_conv(x: torch.Tensor, conv: nn.Conv1d, session) -> torch.Tensor:
@@ -79,21 +65,19 @@ def halo_conv(x: torch.Tensor, conv: nn.Conv1d, session) -> torch.Tensor:
     k = conv.kernel_size[0]
     halo, layout, rank, group = k - 1, session.layout, session.cp_rank, session.group
     seq_len = x.shape[1] * layout.cp
-    positions = layout.indices(seq_len, rank, x.device)
-    sends, where, width = _plan(layout, seq_len, halo)
+    runs, sends, where, width = _plan(layout, seq_len, halo)
     mine = torch.tensor(sends[rank], dtype=torch.long, device=x.device)
     edges = x.new_zeros(x.shape[0], width, x.shape[2])
     edges = edges.index_copy(1, torch.arange(len(sends[rank]), device=x.device), x.index_select(1, mine))
-    gathered = _Edges.apply(edges, group, rank)  # (cp, b, width, D)
-    flat = gathered.transpose(0, 1).reshape(x.shape[0], layout.cp * width, x.shape[2])
+    # every rank's edges, rank after rank (backward: each rank's part of the summed gradient)
+    flat = GatherSequence.apply(edges, 1, group, Layout(layout.cp, layout.cp, False), rank)
     zero = flat.new_zeros(x.shape[0], 1, x.shape[2])
     table = torch.cat([flat, zero], dim=1)  # the last row: before the sequence's start
     documents = session.documents
     docs = None if documents is None or documents.shape[-1] != seq_len else documents.to(x.device)
     weight = conv.weight[:, 0, :]  # (D, k): out[t] = sum_j weight[:, k - 1 - j] * x[t - j]
     outs = []
-    for a, b in _runs(positions.tolist()):
-        start = int(positions[a])
+    for a, b, start in runs[rank]:
         before = [where[p][0] * width + where[p][1] if p >= 0 else layout.cp * width for p in range(start - halo, start)]
         run = torch.cat([table[:, before], x[:, a:b]], dim=1)  # (b, halo + L, D)
         glob = torch.arange(start, start + b - a, device=x.device)
