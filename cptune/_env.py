@@ -78,8 +78,13 @@ class Environment:
         cuda = self.device_type == "cuda"
         return {"cptune_version": self.cptune, "torch_version": self.torch,
                 "device": self.device_name if cuda else "cpu", "device_type": self.device_type,
-                "device_count": self.nproc_per_node * self.nnodes, "backend": "nccl" if cuda else "gloo",
+                "device_count": self.nproc_per_node * self.nnodes, "backend": process_backend(self.device_type),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def process_backend(device_type: str) -> str:
+    """The process group backend for ``device_type``: nccl on GPUs, gloo on the CPU."""
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 def environment(device_type: str | None = None, world_size: int | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._env import return_freed_memory
+from ._env import process_backend, return_freed_memory
 
 
 def init_rank() -> tuple[Any, int, int]:
@@ -28,7 +28,7 @@ def init_rank() -> tuple[Any, int, int]:
             torch.set_num_threads(1)
             return_freed_memory()  # as the search's ranks do: their measured peak is this process's
         if "RANK" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo")
+            dist.init_process_group(process_backend(device.type))
     return (device, dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (device, 1, 0)
 
 

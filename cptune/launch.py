@@ -30,7 +30,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ._env import return_freed_memory
+from ._env import process_backend, return_freed_memory
 from ._rank import close_rank, init_rank  # noqa: F401  (their home before 0.2; the harness's ranks use them)
 from .errors import CPTuneError
 
@@ -136,7 +136,7 @@ class WorkerGroup:
                               f".py file and run that (a notebook or python -c also works)")
         self.nproc, self.device, self.threads, self.timeout = nproc, device, threads, timeout
         self.env = dict(env or {})
-        self.backend = "nccl" if device == "cuda" else "gloo"
+        self.backend = process_backend(device)
         self._ctx = _context()
         self._procs: list[Any] = []
         self._jobs: list[Any] = []

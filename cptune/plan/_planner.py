@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._defaults import BUDGET_FRACTION
+from .._env import process_backend
 from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
@@ -182,7 +183,7 @@ def predicted_recipe(result: Plan, command: str | None = None):
                       script=MODEL_SCRIPT if result.workload.model else None),
         provenance=Provenance(cptune_version=__version__, torch_version=torch.__version__, device=hw.name,
                               device_type=hw.device_type, device_count=result.gpus,
-                              backend="nccl" if hw.device_type == "cuda" else "gloo",
+                              backend=process_backend(hw.device_type),
                               date=datetime.date.today().isoformat(), command=command),
         metrics=Metrics(measured=False, tokens_per_s=best.tokens_per_s, step_time_s=best.step_s,
                         peak_bytes_per_rank=[best.peak_bytes] * result.gpus, memory_budget=result.budget,
