@@ -14,7 +14,7 @@ from ._cli_types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, 
                          InputFile, Number, OneOf, OutputFile, Whole, in_flags)
 from ._defaults import BUDGET_FRACTION, MEMORY_MARGIN, TRIAL_TIMEOUT_S
 from .errors import CPTuneError
-from .workload import AC_MODES
+from .workload import AC_MODES, LOSS_MODES
 
 
 def _init_torchrun() -> tuple[bool, bool]:
@@ -67,7 +67,7 @@ def _leave(code: int) -> None:
               help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
 @click.option("--window", type=Whole(0), default=None, metavar="N",
               help="Causal sliding window: each token attends to N earlier tokens (4095 for sliding_window=4096).")
-@click.option("--loss", type=OneOf(["chunked", "whole"]), default="chunked", show_default=True,
+@click.option("--loss", type=OneOf(list(LOSS_MODES)), default=LOSS_MODES[0], show_default=True,
               help="With --model: the loss in chunks, never the whole logits (vocabulary-parallel under tp), or the "
                    "model's own loss from the whole logits.")
 @click.option("--nproc", type=COUNT, default=None, help="Local ranks to launch (default: 2 on CPU, all GPUs).")

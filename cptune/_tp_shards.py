@@ -22,6 +22,12 @@ stats = {"kept_as_shard": 0}
 """Saved tensors kept as shards since the process started (tests read it)."""
 
 
+def applies(ac: str | None, compile: bool) -> bool:
+    """Whether a unit trained with activation checkpointing ``ac`` and ``compile`` keeps its shards this way: not
+    under AC (its recompute gathers again) nor compile (hooks and compile do not mix)."""
+    return ac in (None, "none") and not compile
+
+
 def remember(gathered: Any, shard: Any) -> None:
     """``gathered`` (a replicated DTensor) was all-gathered from ``shard`` (a DTensor split by sequence)."""
     local = gathered._local_tensor

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import _mixers, _parallelize as P, _weights
+from . import _mixers, _parallelize as P, _tp_shards, _weights
 from ._halo import splittable
 from ._meta import materialize as _materialize, parameters_on_meta as _parameters_on_meta
 from ._mixers import decoder_layers
@@ -261,7 +261,7 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     layers, shard = decoder_layers(model), P.sharder(fsdp_mesh, dtype)
     plan = P.layer_plan(config, layers) if tp_mesh is not None else None
     embeddings = P.embedding_units(model)
-    keep = ac in (None, "none") and not compile  # checkpointing gathers again already; compile takes no hooks
+    keep = _tp_shards.applies(ac, compile)
     inside = {id(m) for unit in [*layers, *(e for e, _ in embeddings)] for m in unit.modules()}
     rest = [m for m in model.modules() if id(m) not in inside]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -346,7 +346,7 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
         model.to(dtype)
     layers = decoder_layers(model)
     P.parallelize_layers(model, layers, tp_mesh, P.layer_plan(model.config, layers) if tp_mesh is not None else None,
-                         shard, keep_shards=ac == "none" and not compile)
+                         shard, keep_shards=_tp_shards.applies(ac, compile))
     return model
 
 

@@ -15,6 +15,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 AC_MODES = ("none", "selective", "full")
 """Activation checkpointing a search or a plan can try (``--ac auto`` tries each): the one list."""
 AC = Literal[(*AC_MODES, "auto")]  # type: ignore[valid-type]
+LOSS_MODES = ("chunked", "whole")
+"""How a --model's step takes its loss (:attr:`Workload.loss`), the first the default: the one list."""
 
 
 class Workload(StrictModel):
@@ -49,7 +51,7 @@ class Workload(StrictModel):
         "fix": "give --model as a local model directory or its config.json"})
     """A transformers model (directory or config.json) whose training step is measured: built from its config
     with random weights, trained with FSDP2 over dp x cp and AdamW (see cptune.models); None: the proxy."""
-    loss: Literal["chunked", "whole"] = Field("chunked", json_schema_extra={
+    loss: Literal[LOSS_MODES] = Field(LOSS_MODES[0], json_schema_extra={  # type: ignore[valid-type]
         "fix": "use --loss chunked (the default) or whole"})
     """How a --model's step takes its loss: ``chunked`` (:func:`cptune.hf.causal_lm_loss`: never the whole logits,
     vocabulary-parallel under tp), or ``whole`` (the model's own ``.loss`` from the whole logits, for a step that

@@ -53,6 +53,7 @@ from cptune._preflight import script_check
 from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import _options as options
 from cptune.hf import causal_lm_loss
+from cptune.workload import LOSS_MODES
 
 
 def read_documents(path: str, eos_id: int | None, vocab: int) -> list[torch.Tensor]:
@@ -187,7 +188,7 @@ def resume(folder: Path, model, optimizer, scheduler) -> int:
 @click.option("--warmup", type=options.Whole(0), default=2, show_default=True, help="Steps of linear LR warm-up.")
 @options.ac
 @options.compile_
-@click.option("--loss", type=options.OneOf(["chunked", "whole"]), default=None,
+@click.option("--loss", type=options.OneOf(list(LOSS_MODES)), default=None,
               help="The loss in chunks, never the whole logits (vocabulary-parallel under tp), or the model's own "
                    "from the whole logits [default: the recipe's, else chunked].")
 @click.option("--fsdp/--no-fsdp", default=True, show_default=True,

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .. import _tp_shards
 from .._head import chunk_tokens_for
 from ..attention import Layout, documents_from_lengths, kv_replication, lengths_from_spec, needs, token_work, \
     work_chunks
@@ -206,7 +207,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     gathered_in = 2 * h if tp > 1 else 0  # per token: the attention's and the MLP's whole inputs
     # kept for backward: whole under compile; as this tp rank's shard without AC (gathered again in backward,
     # cptune._tp_shards); under AC the recompute gathers them again
-    keep_shards = tp > 1 and point.ac == "none" and not w.compile
+    keep_shards = tp > 1 and _tp_shards.applies(point.ac, w.compile)
     kept_in = gathered_in / tp if keep_shards else gathered_in
     kv_heads = dims.attended_kv_heads // tp
     heads = dims.heads // tp
