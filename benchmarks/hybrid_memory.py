@@ -12,11 +12,10 @@ Results: benchmarks/results/hybrid-memory-<stamp>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from .report import run_json, save_results
+from .report import print_worst_rank, run_json, save_results
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYER_TYPES = ["conv", "conv", "conv", "full_attention"] * 2
@@ -35,7 +34,6 @@ def _config(hidden: int):
 def rank_job(mode: str, tokens: int, hidden: int) -> None:
     """One step measured: ``one`` (one process), or on each rank (torchrun) ``halo`` / ``generic``."""
     import torch
-    import torch.distributed as dist
 
     import cptune
     from cptune import _hf, models
@@ -44,7 +42,7 @@ def rank_job(mode: str, tokens: int, hidden: int) -> None:
     from .loss import _measure
 
     torch.set_num_threads(1 if mode != "one" else 2)
-    _, world, rank = cptune.init_rank()
+    _, world, _ = cptune.init_rank()
     if mode == "generic":
         _hf.splittable = lambda module: False  # every short convolution by the generic path
     mesh = cptune.ParallelDims(1, 1, world, 1).model_mesh("cpu") if world > 1 else None
@@ -58,14 +56,7 @@ def rank_job(mode: str, tokens: int, hidden: int) -> None:
             causal_lm_loss(model, ids, labels, position_ids=positions).backward()
         model.zero_grad(set_to_none=True)
 
-    got = _measure(call, repeats=1)
-    every = [got]
-    if world > 1:
-        every = [None] * world
-        dist.all_gather_object(every, got)
-    if rank == 0:
-        print(json.dumps({"peak_rise": max(r["peak_rise"] for r in every), "seconds": max(r["seconds"] for r in every),
-                          "ranks": world}))
+    print_worst_rank(_measure(call, repeats=1))
     cptune.close_rank()
 
 

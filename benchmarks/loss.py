@@ -19,14 +19,13 @@ step's time <= 1.05x. Results: benchmarks/results/loss-<stamp>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from .report import run_json, save_results
+from .report import print_worst_rank, run_json, save_results
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,18 +130,12 @@ def _tp_step(path: str, tokens: int, hidden: int, vocab: int) -> dict:
 def rank_job(kind: str, path: str, tokens: int, hidden: int, vocab: int) -> None:
     """Under torchrun: one tp measurement on every rank; rank 0 prints the worst rank's peak and time as JSON."""
     import torch
-    import torch.distributed as dist
 
     import cptune
 
     torch.set_num_threads(1)
-    _, world, rank = cptune.init_rank()
-    got = (_loss_alone if kind == "tp-loss" else _tp_step)(path, tokens, hidden, vocab)
-    every = [None] * world
-    dist.all_gather_object(every, got)
-    if rank == 0:
-        print(json.dumps({"peak_rise": max(r["peak_rise"] for r in every),
-                          "seconds": max(r["seconds"] for r in every), "ranks": world}))
+    cptune.init_rank()
+    print_worst_rank((_loss_alone if kind == "tp-loss" else _tp_step)(path, tokens, hidden, vocab))
     cptune.close_rank()
 
 
@@ -168,7 +161,7 @@ def main(argv: list[str]) -> int:
             rank_job(kind, path, args.tokens, args.hidden, args.vocab)
             return 0
         fn = _loss_alone if kind == "loss" else _step
-        print(json.dumps(fn(path, args.tokens, args.hidden, args.vocab)))
+        print_worst_rank(fn(path, args.tokens, args.hidden, args.vocab))
         return 0
     size = (args.tokens, args.hidden, args.vocab)
     results = {"size": dict(zip(("tokens", "hidden", "vocab"), size)), "loss": {}, "step": {}, "tp-loss": {},

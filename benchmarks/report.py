@@ -18,6 +18,22 @@ def run_json(cmd: list[str], cwd: Path, timeout: int = 1800, env: dict | None = 
     return __import__("json").loads(out.stdout.strip().splitlines()[-1])
 
 
+def print_worst_rank(got: dict, **extra: Any) -> None:
+    """Rank 0 prints, as one JSON line, the worst rank's peak rise and seconds (each rank's ``got``, as
+    ``benchmarks.loss._measure`` gives them; gathered where a process group is joined) with ``extra``."""
+    import json
+
+    import torch.distributed as dist
+
+    every = [got]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, got)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps({"peak_rise": max(r["peak_rise"] for r in every),
+                          "seconds": max(r["seconds"] for r in every), "ranks": len(every), **extra}))
+
+
 def save_results(root: Path, name: str, results: dict) -> Path:
     """``results`` as benchmarks/results/<name>-<stamp>.json under ``root``; its path printed and returned."""
     import json

@@ -11,11 +11,10 @@ What it should save: a layer's two gathered inputs less their shards, per cp ran
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from .report import run_json, save_results
+from .report import print_worst_rank, run_json, save_results
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS, LAYERS, HIDDEN = 8192, 8, 1024
@@ -24,7 +23,6 @@ TOKENS, LAYERS, HIDDEN = 8192, 8, 1024
 def rank_job(mode: str) -> None:
     """Under torchrun: one step measured on every rank; rank 0 prints the worst rank's figures."""
     import torch
-    import torch.distributed as dist
     import transformers
 
     import cptune
@@ -35,7 +33,7 @@ def rank_job(mode: str) -> None:
     from .loss import _measure
 
     torch.set_num_threads(1)
-    _, world, rank = cptune.init_rank()
+    cptune.init_rank()
     if mode == "gathered":
         _tp_shards.remember = lambda gathered, shard: None  # nothing marked: the matmuls keep the gathered input
     dims = ParallelDims(1, 1, 2, 2)
@@ -52,12 +50,7 @@ def rank_job(mode: str) -> None:
             causal_lm_loss(model, ids, labels, position_ids=positions).backward()
         model.zero_grad(set_to_none=True)
 
-    got = _measure(call)
-    every = [None] * world
-    dist.all_gather_object(every, got)
-    if rank == 0:
-        print(json.dumps({"peak_rise": max(r["peak_rise"] for r in every), "seconds": max(r["seconds"] for r in every),
-                          "kept_as_shard": _tp_shards.stats["kept_as_shard"]}))
+    print_worst_rank(_measure(call), kept_as_shard=_tp_shards.stats["kept_as_shard"])
     cptune.close_rank()
 
 
