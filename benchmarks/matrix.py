@@ -38,7 +38,7 @@ BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hid
 MOE = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_intermediate_size": 32,
        "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
        "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}
-GDN = {"num_hidden_layers": 4, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+GDN = {"num_hidden_layers": 4, "linear_num_value_heads": 8, "linear_num_key_heads": 4, "linear_key_head_dim": 16,
        "linear_value_head_dim": 16}
 MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1}
 SLIDING = {"sliding_window": 8}
@@ -132,8 +132,9 @@ def _refused(exc: Exception) -> dict:
     return {"status": "refused", "message": str(exc)}
 
 
-def _cp_cell(family: str, strategy: str, packed: bool) -> dict:
-    """One family on this group's ranks under ``strategy``: loss and every parameter gradient against one process."""
+def _cp_cell(family: str, strategy: str, packed: bool, ac: str = "none", compile: bool = False) -> dict:
+    """One family on this group's ranks under ``strategy``: loss and every parameter gradient against one process
+    (the cp model built with ``ac`` and ``compile``, as the training paths build it)."""
     import torch.distributed as dist
 
     import cptune
@@ -143,7 +144,7 @@ def _cp_cell(family: str, strategy: str, packed: bool) -> dict:
     ids, labels, positions = _batch(packed)
     try:  # a config each: on 4.x the model's attention implementation is its config's, shared
         reference = models.build_model(tiny_config(family), "cpu")
-        model = models.build_model(tiny_config(family), "cpu", ac="none", cp=dist.get_world_size())
+        model = models.build_model(tiny_config(family), "cpu", ac=ac, compile=compile, cp=dist.get_world_size())
     except cptune.ValidationError as exc:
         return _refused(exc)
     reference.train()
@@ -170,7 +171,8 @@ def _cp_cell(family: str, strategy: str, packed: bool) -> dict:
         dist.all_reduce(g)
         errors[name] = _relative(g / world, want_grads[name])
     floor = _rounding_floor(reference, ids, labels, positions, packed, want_grads, errors)
-    return _judged(abs(loss.item() / world - want.item()), errors, floor)
+    paths = sorted({m._cptune_path for m in model.modules() if hasattr(m, "_cptune_path")})
+    return {**_judged(abs(loss.item() / world - want.item()), errors, floor), **({"paths": paths} if paths else {})}
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -317,6 +319,8 @@ def _agreed(per_rank: list[dict]) -> dict:
 def short(cell: dict) -> str:
     """A cell as the docs table says it."""
     status = cell["status"]
+    if status == "exact" and cell.get("paths"):  # a hybrid's mixers: the path they took (cptune._paths)
+        return f"exact ({', '.join(cell['paths'])})"
     if status != "refused":
         return {"exact": "exact", "no plan": "no TP plan", "no reference": "one process fails"}.get(status, status)
     text = cell["message"]

@@ -9,8 +9,9 @@ Packed documents: the recurrence or convolution restarts at each document, as pa
 own kernels read of the packing: the module runs once per document of the gathered row.
 
 Its memory and time are the whole sequence's on every rank, for this layer (the layer's activations and the
-gathered input are not split over cp); attention and the per-token modules around it stay split. Nothing here runs
-outside a block, or with cp = 1: the module is then called as it is.
+gathered input are not split over cp); attention and the per-token modules around it stay split. Outside a block the
+module is called as it is; in a block of cp = 1 too, but on each document alone when the block knows the packing
+(the same restart as on cp ranks, whatever the module's kernels read of it).
 """
 
 from __future__ import annotations
@@ -97,12 +98,18 @@ def _per_document(forward, hidden: torch.Tensor, kwargs: dict[str, Any], documen
 @torch.compiler.disable
 def _whole_forward(module: nn.Module, forward, *args: Any, **kwargs: Any) -> Any:
     session = active()
-    if session is None or session.cp == 1:
+    if session is None or session.cp == 1 and session.documents is None:
         return forward(*args, **kwargs)
     names = module._cptune_arg_names
     kwargs = {**dict(zip(names, args)), **kwargs}
     hidden = kwargs.pop(names[0])
     local = hidden.shape[1]
+    if session.cp == 1:  # packed documents in one process: each alone, as on cp ranks
+        kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
+        documents = session.documents
+        if documents.shape[-1] != local:
+            return forward(hidden, **kwargs)
+        return _per_document(forward, hidden, kwargs, documents.to(hidden.device))
     group, layout, rank = session.group, session.layout, session.cp_rank
     whole = GatherSequence.apply(hidden, 1, group, layout, rank)
     kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
@@ -115,13 +122,19 @@ def _whole_forward(module: nn.Module, forward, *args: Any, **kwargs: Any) -> Any
     return _map_sequence(out, whole.shape[1], lambda t: A.shard(t, 1, layout, rank))
 
 
+def _arg_names(forward) -> list[str]:
+    """The names ``forward`` takes positionally, in order (the hidden states first)."""
+    return [n for n, p in inspect.signature(forward).parameters.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
 def run_whole(module: nn.Module) -> None:
     """Make ``module`` (a layer that mixes tokens, called with the hidden states first) take the generic path inside
     a block of cp > 1; idempotent."""
     if getattr(module, "_cptune_whole", False):
         return
     forward = module.forward
-    module._cptune_arg_names = [n for n, p in inspect.signature(forward).parameters.items()
-                                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    module._cptune_arg_names = _arg_names(forward)
+    module._cptune_path = "generic"
     module.forward = functools.partial(_whole_forward, module, forward)
     module._cptune_whole = True

@@ -22,7 +22,6 @@ import torch
 import torch.nn as nn
 
 from ._gathered import GatherSequence, segments
-from ._session import active
 from .attention import Layout
 
 
@@ -59,10 +58,11 @@ def _plan(layout, seq_len: int, halo: int) -> tuple[list[list[tuple[int, int, in
     return runs, sends, where, max(len(s) for s in sends)
 
 
-def halo_conv(x: torch.Tensor, conv: nn.Conv1d, session) -> torch.Tensor:
-    """``conv`` (depthwise, causal) over the whole sequence, at this rank's tokens: ``x`` (b, s, D) this rank's, in
-    its local order; the tokens before each of its runs from the ranks that hold them."""
-    k = conv.kernel_size[0]
+def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, session) -> torch.Tensor:
+    """A depthwise causal convolution (``weight`` (D, k), ``bias``: a ``Conv1d``'s, its channel dim dropped) over
+    the whole sequence, at this rank's tokens: ``x`` (b, s, D) this rank's, in its local order; the tokens before
+    each of its runs from the ranks that hold them."""
+    k = weight.shape[-1]
     halo, layout, rank, group = k - 1, session.layout, session.cp_rank, session.group
     seq_len = x.shape[1] * layout.cp
     runs, sends, where, width = _plan(layout, seq_len, halo)
@@ -75,7 +75,7 @@ def halo_conv(x: torch.Tensor, conv: nn.Conv1d, session) -> torch.Tensor:
     table = torch.cat([flat, zero], dim=1)  # the last row: before the sequence's start
     documents = session.documents
     docs = None if documents is None or documents.shape[-1] != seq_len else documents.to(x.device)
-    weight = conv.weight[:, 0, :]  # (D, k): out[t] = sum_j weight[:, k - 1 - j] * x[t - j]
+    # out[t] = sum_j weight[:, k - 1 - j] * x[t - j]
     outs = []
     for a, b, start in runs[rank]:
         before = [where[p][0] * width + where[p][1] if p >= 0 else layout.cp * width for p in range(start - halo, start)]
@@ -90,22 +90,12 @@ def halo_conv(x: torch.Tensor, conv: nn.Conv1d, session) -> torch.Tensor:
             out = out + term
         outs.append(out)
     out = torch.cat(outs, dim=1)
-    return out if conv.bias is None else out + conv.bias
+    return out if bias is None else out + bias
 
 
-@torch.compiler.disable
-def _split_forward(module: nn.Module, forward, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    session = active()
-    if session is None or session.cp == 1:
-        return forward(hidden_states, *args, **kwargs)
+def split_forward(module: nn.Module, hidden_states: torch.Tensor, session, *args, **kwargs) -> torch.Tensor:
+    """The layer (:func:`splittable`) on this rank's tokens inside a block of cp > 1 (:mod:`cptune._paths` calls
+    it)."""
     b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
-    y = c * halo_conv(b * x, module.conv, session)
+    y = c * halo_conv(b * x, module.conv.weight[:, 0], module.conv.bias, session)
     return module.out_proj(y)
-
-
-def run_split(module: nn.Module) -> None:
-    """Make ``module`` (:func:`splittable`) take the halo path inside a block of cp > 1; idempotent."""
-    if getattr(module, "_cptune_split", False):
-        return
-    module.forward = functools.partial(_split_forward, module, module.forward)
-    module._cptune_split = True

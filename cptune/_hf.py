@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 
 from .attention import documents_from_cu_seqlens, packed_documents
-from ._gathered import run_whole
-from ._halo import run_split, splittable
+from . import _paths
 from ._head import head_of, loss_sum
 from ._mixers import cp_problems, model_coverage
 from ._loss import IGNORE_INDEX
@@ -136,8 +135,8 @@ def enable(model: nn.Module, token_wise: Iterable[type | str] = ()) -> nn.Module
     vouched = {*getattr(model, "_cptune_token_wise", ()), *(t if isinstance(t, str) else t.__name__ for t in token_wise)}
     model._cptune_token_wise = vouched  # a later enable (cptune.models, the Trainer) keeps what the user vouched for
     blocks, model._cptune_mixers = model_coverage(model, vouched)  # the blocks exact by the generic path
-    for block in blocks.values():  # short convolutions split by a halo exchange, the others whole (generic path)
-        run_split(block) if splittable(block) else run_whole(block)
+    for block in blocks.values():  # split paths where cptune has one for the layer, else the generic path
+        _paths.prepare(block)
     if not getattr(model, "_cptune_hook", None):
         current = getattr(model.config, "_attn_implementation", None)
         model._cptune_outside = current if current not in (None, ATTN_IMPLEMENTATION) else "sdpa"

@@ -51,6 +51,18 @@ def model_limits(workload: Workload, degrees: tuple[int, ...]) -> tuple[tuple[in
             ", ".join(f"{n} x {kind}" for kind, n in kinds.items()) or None)
 
 
+def mixer_choices(workload: Workload) -> tuple[str, ...]:
+    """How a ``--model`` workload's layers that mix tokens outside attention may cross the CP ranks (the search's
+    ``mixers`` axis, :attr:`cptune.CPConfig.mixers`): ('split', 'whole') where one of them has a split path
+    (:mod:`cptune._paths`), else none to choose."""
+    if workload.model is None:
+        return ()
+    from . import _mixers, _paths, models
+
+    model = models._empty_model(models.load_config(workload.model, workload.model_overrides))
+    return ("split", "whole") if any(_paths.splits(m) for m in _mixers.model_coverage(model)[0].values()) else ()
+
+
 def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
            ) -> list[tuple[int, ...]]:
     """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees`` and a dp_replicate among ``replicas``: (dp,
@@ -71,7 +83,7 @@ def canonical(config: CPConfig) -> CPConfig:
     balancing don't apply; under Ulysses the rotate method and load balancing don't."""
     if config.mesh_shape and config.parallel_dims().cp == 1:
         return config.model_copy(update={"rotate_method": "allgather", "load_balance": False, "strategy": "ring",
-                                         "ulysses_degree": None})
+                                         "ulysses_degree": None, "mixers": "split"})
     if config.strategy == "ulysses":
         return config.model_copy(update={"rotate_method": "allgather", "load_balance": False})
     return config
@@ -83,7 +95,7 @@ def config_key(config: CPConfig, ac: str | None = None) -> str:
     dims = c.parallel_dims()
     mesh = (f"dpr{dims.dp_replicate}-" if dims.dp_replicate > 1 else "") + f"dp{dims.dp_shard}-cp{dims.cp}" + (
         f"-tp{dims.tp}" if dims.tp > 1 else "")  # a (dp, cp) mesh keys as before the named mesh
-    backend = "+".join(c.sdpa_backend) + (f"-ac-{ac}" if ac else "")
+    backend = "+".join(c.sdpa_backend) + ("-mixers-whole" if c.mixers == "whole" else "") + (f"-ac-{ac}" if ac else "")
     if c.strategy == "ulysses":
         return f"{mesh}-ulysses-{backend}"
     strategy = f"hybrid{c.ulysses_degree}-" if c.strategy == "hybrid" else ""  # ring keys as before strategies
@@ -98,7 +110,7 @@ def config_from(params: dict) -> CPConfig:
     lb = bool(params["load_balance"]) and strategy != "ulysses"
     return canonical(CPConfig(mesh_shape=shape, strategy=strategy, ulysses_degree=int(u) if u else None,
                               rotate_method=params["rotate_method"], sdpa_backend=(params["sdpa_backend"],),
-                              load_balance=lb))
+                              load_balance=lb, mixers=params.get("mixers", "split")))
 
 
 def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None) -> str | None:
@@ -125,22 +137,24 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None
 
 
 def configurations(workload: Workload, world: int, backends: tuple[str, ...], device_type: str | None = None,
-                   tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,), cp_refused: str | None = None
-                   ) -> tuple[list[CPConfig], list[tuple[str, str]]]:
+                   tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,), cp_refused: str | None = None,
+                   mixers: tuple[str, ...] = ()) -> tuple[list[CPConfig], list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` over ``backends``: (the valid ones, in
     mesh / strategy / rotate / backend / load-balance order, and (label, why) for the invalid ones). The one
     enumeration the search's oracle and ``cptune plan`` both use; a hybrid whose Ulysses group does not split a
     mesh's cp is not a configuration of that mesh (skipped, not listed as invalid). ``cp_refused``: why the model
-    cannot take cp > 1 (:func:`model_limits`), each such configuration invalid for it."""
+    cannot take cp > 1 (:func:`model_limits`), each such configuration invalid for it; ``mixers``: the ways its
+    hybrid layers may cross the ranks (:func:`mixer_choices`; none: as the configuration's default)."""
     seen: set[str] = set()
     valid: list[CPConfig] = []
     invalid: list[tuple[str, str]] = []
     balance = (True, False) if workload.causal else (False,)
-    for shape, strategy, rotate, backend, lb in itertools.product(meshes(world, tp_degrees, replicas),
-                                                                  strategies(world), ROTATE_METHODS, backends, balance):
+    for shape, strategy, rotate, backend, lb, mix in itertools.product(
+            meshes(world, tp_degrees, replicas), strategies(world), ROTATE_METHODS, backends, balance,
+            mixers or ("split",)):
         config = config_from({"mesh": "x".join(map(str, shape)),
                               "strategy": strategy, "rotate_method": rotate, "sdpa_backend": backend,
-                              "load_balance": lb})
+                              "load_balance": lb, "mixers": mix})
         key = config_key(config)
         if key in seen or config.degree_problems(config.parallel_dims().cp):
             continue

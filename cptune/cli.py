@@ -45,6 +45,25 @@ def main() -> None:
     """Context parallelism for PyTorch: search the fastest configuration, write recipes, launch them."""
 
 
+def _mixers_line(workload, config, cp: int) -> str | None:
+    """How a hybrid model's layers that mix tokens outside attention cross the cp ranks ('18 x Qwen3_5GatedDeltaNet
+    split over heads'), or None (no --model, cp 1, no such layers, or the model is not at hand here)."""
+    if not workload.model or cp == 1:
+        return None
+    from collections import Counter
+
+    from . import models
+
+    try:
+        config_ = models.load_config(workload.model, workload.model_overrides)
+        found = Counter(models.mixer_paths(config_, cp=cp, mixers=config.mixers).values())
+    except (CPTuneError, OSError, ImportError):  # the model's folder is on another machine, or no transformers here
+        return None
+    ways = {"heads": "split over heads (all-to-all)", "halo": "split by a halo exchange",
+            "generic": "whole on every rank (generic path)"}
+    return "; ".join(f"{n} x {kind} {ways[taken]}" for (kind, taken), n in found.items()) or None
+
+
 @main.command()
 @click.argument("study_name", metavar="STUDY", type=NAME)
 @click.option("--storage", type=STORAGE, default=None, help="Optuna storage URL [default: sqlite:///cptune.db].")
@@ -161,6 +180,9 @@ def show(recipe_path, as_json) -> None:
                    + (", tp by the model's own plan" if mesh.tp > 1 else "") + ", AdamW")
     click.echo(f"config   : {c.label()}" + ("" if mesh.cp == 1 else f"  (strategy {c.strategy}"
                + (f", ulysses_degree {c.ulysses_degree}" if c.ulysses_degree else "") + ")"))
+    mixers = _mixers_line(w, c, mesh.cp)
+    if mixers:
+        click.echo(f"mixers   : {mixers}")
     click.echo(f"launch   : {recipe.launch.nnodes} node(s) x {recipe.launch.nproc_per_node} ranks, "
                f"script {recipe.launch.script or '(give one after --)'}")
     if m.predicted_by:  # cptune plan's figures, for hardware not at hand

@@ -120,6 +120,14 @@ class CPConfig(StrictModel):
     )
     """Ranks per Ulysses group under 'hybrid' (the ring degree is cp / ulysses_degree)."""
 
+    mixers: Literal["split", "whole"] = Field(
+        "split", json_schema_extra={"fix": "use mixers='split' or 'whole'"}
+    )
+    """How a hybrid model's layers that mix tokens outside attention cross the CP ranks. 'split': memory split over
+    cp where cptune has a path for the layer (Gated DeltaNet by an all-to-all over its heads when its key heads divide
+    by cp, short convolutions by a halo exchange); 'whole': every such layer runs over the gathered sequence (the
+    generic path: exact for any such layer, its memory the whole sequence's), as do layers without a split path."""
+
     @pydantic.model_validator(mode="after")
     def _strategy_fields(self) -> CPConfig:
         problems = []
@@ -228,11 +236,13 @@ class CPConfig(StrictModel):
             return f"{head} {backend}"
         lb = {True: "lb", False: "no-lb", "auto": "lb-auto"}[self.load_balance]
         if self.strategy == "ulysses":
-            return f"{head} ulysses {backend}"
-        if self.strategy == "hybrid":
+            label = f"{head} ulysses {backend}"
+        elif self.strategy == "hybrid":
             ring = f"r{cp // self.ulysses_degree}" if cp > 0 else "ring"
-            return f"{head} hybrid u{self.ulysses_degree}×{ring} {self.rotate_method} {lb} {backend}"
-        return f"{head} {self.rotate_method} {lb} {backend}"
+            label = f"{head} hybrid u{self.ulysses_degree}×{ring} {self.rotate_method} {lb} {backend}"
+        else:
+            label = f"{head} {self.rotate_method} {lb} {backend}"
+        return label + (" mixers-whole" if self.mixers == "whole" else "")
 
 
 @dataclass(frozen=True)

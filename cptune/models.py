@@ -32,8 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from . import _mixers, _parallelize as P, _tp_shards, _weights
-from ._halo import splittable
+from . import _mixers, _parallelize as P, _paths, _tp_shards, _weights
 from ._meta import materialize as _materialize, parameters_on_meta as _parameters_on_meta
 from ._mixers import decoder_layers
 from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
@@ -210,12 +209,19 @@ def cp_problems(config, cp: int, argument: str = "config.mesh_shape", model: nn.
     return _mixers.cp_problems(type(made).__name__, _mixers.model_coverage(made, token_wise)[1], cp, argument)
 
 
-def whole_layers(config, model: nn.Module | None = None) -> dict[str, str]:
-    """The modules of ``config``'s model that mix tokens outside attention and that cptune's generic path runs whole
-    over the gathered sequence under cp > 1 (:mod:`cptune._gathered`): path -> class name. Short convolutions the
-    halo path splits over cp (:mod:`cptune._halo`) are not among them."""
+def mixer_paths(config, model: nn.Module | None = None, cp: int = 2, mixers: str = "split") -> dict[str, tuple[str,
+                                                                                                       str]]:
+    """Each module of ``config``'s model that mixes tokens outside attention: path -> (class name, the path it takes
+    under ``cp`` ranks and ``mixers``, :attr:`cptune.CPConfig.mixers`: 'heads', 'halo' or 'generic';
+    :mod:`cptune._paths`)."""
     made = model if model is not None else _empty_model(config)
-    return {path: type(m).__name__ for path, m in _mixers.model_coverage(made)[0].items() if not splittable(m)}
+    return {path: (type(m).__name__, _paths.path(m, cp, mixers)) for path, m in _mixers.model_coverage(made)[0].items()}
+
+
+def whole_layers(config, model: nn.Module | None = None, cp: int = 2, mixers: str = "split") -> dict[str, str]:
+    """The modules of :func:`mixer_paths` that cptune's generic path runs whole over the gathered sequence
+    (:mod:`cptune._gathered`): path -> class name."""
+    return {path: kind for path, (kind, taken) in mixer_paths(config, model, cp, mixers).items() if taken == "generic"}
 
 
 def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape",
@@ -375,5 +381,5 @@ check_export = _weights.check_export
 export_model = _weights.export_model
 
 __all__ = ["attention_shape", "build_model", "check_export", "check_weights", "config_path", "cp_problems",
-           "decoder_layers", "mesh_problems", "whole_layers",
+           "decoder_layers", "mesh_problems", "mixer_paths", "whole_layers",
            "export_model", "load_config", "model_workload", "parse_overrides", "prepare_for_training", "tp_problems"]

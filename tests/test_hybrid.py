@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 import cptune
 from benchmarks import matrix as M
-from cptune import _gathered, _halo, models
+from cptune import _gathered, _halo, _heads, _paths, models
 
 transformers = pytest.importorskip("transformers")
 
-LAYERS = {"qwen3_next": "linear_attn", "qwen3_5_text": "linear_attn", "lfm2": "conv", "bamba": "mamba"}
+LAYERS = {"qwen3_next": "linear_attn", "qwen3_5_text": "linear_attn", "lfm2": "conv", "bamba": "mamba",
+          "granitemoehybrid": "mamba"}
 SEQ = 32
 LENGTHS = (11, 5, 16)
 
@@ -34,7 +35,8 @@ def _one_layer(family: str, config: dict, packed: bool, path: str = "generic") -
     """The layer's output, input gradient and parameter gradients on this rank's positions under the block, summed
     over ranks, against one process on the whole sequence (each document alone when packed), whose loss is summed
     the same way: each rank's positions' share, backward, then the next (a Gated DeltaNet's A_log and dt_bias
-    gradients are sums that nearly cancel, which move by 5e-5 of their largest from how they are grouped)."""
+    gradients are sums that nearly cancel, which move by 5e-5 of their largest from how they are grouped); on the
+    heads path, which sums each head's over the whole sequence on one rank, in one backward."""
     from cptune import attention as A
     from cptune._session import active
 
@@ -44,9 +46,9 @@ def _one_layer(family: str, config: dict, packed: bool, path: str = "generic") -
     weight = torch.randn(2, SEQ, M.BASE["hidden_size"], generator=gen)
     documents = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)]).view(1, SEQ) if packed else None
 
-    if path == "halo":
-        assert _halo.splittable(module)
-        _halo.run_split(module)
+    if path != "generic":
+        assert {"halo": _halo, "heads": _heads}[path].splittable(module)
+        _paths.prepare(module)
     else:
         _gathered.run_whole(module)
     ids = torch.zeros(1, SEQ, dtype=torch.long)
@@ -57,6 +59,8 @@ def _one_layer(family: str, config: dict, packed: bool, path: str = "generic") -
         out = module(A.shard(x, 1, layout, session.cp_rank))
         (out * A.shard(weight, 1, layout, session.cp_rank)).sum().backward()
         got = block.unshard(out.detach(), 1)
+        taken = getattr(module, "_cptune_path", "generic")
+        assert taken == path, (path, taken)
     dist.all_reduce(x.grad)
     got_x, got_grads = x.grad.clone(), {n: p.grad.clone() for n, p in module.named_parameters()}
     for p in got_grads:
@@ -69,8 +73,10 @@ def _one_layer(family: str, config: dict, packed: bool, path: str = "generic") -
         want = torch.cat([module(x[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
     else:
         want = module(x)
-    for rank in range(world):  # one process, its loss in each rank's share
-        positions = A.shard(torch.arange(SEQ).view(1, SEQ), 1, layout, rank).flatten()
+    shares = range(world) if path != "heads" else [None]  # the heads path sums each head's in one place
+    for rank in shares:  # one process, its loss in each rank's share
+        positions = A.shard(torch.arange(SEQ).view(1, SEQ), 1, layout, rank).flatten() if rank is not None \
+            else torch.arange(SEQ)
         (want[:, positions] * weight[:, positions]).sum().backward(retain_graph=True)
     errors = {"output": _relative(got, want.detach()), "input grad": _relative(got_x, x.grad)}
     errors.update({name: _relative(got_grads[name], p.grad) for name, p in module.named_parameters()})
@@ -109,6 +115,32 @@ def test_a_short_convolution_is_exact_split_by_the_halo_exchange(ranks):
                 assert max(errors.values()) <= 1e-5, (config, packed, errors)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text", "bamba", "granitemoehybrid"])
+def test_gated_deltanet_and_mamba2_are_exact_split_over_their_heads(ranks, family):
+    """Gated DeltaNet and Mamba2 on each rank's tokens for their projections and norm, the recurrence on cp-th of the
+    heads over the whole sequence (an all-to-all each way; Mamba2's convolution by the halo exchange, its B and C
+    gathered): on 2 ranks under every layout above, packed and not, and on 4 ranks as a hybrid (2 ring shards of 2
+    Ulysses pieces, load balanced)."""
+    if M.tiny_config(family) is None or not _heads.splittable(_layer(family)):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}, or not in a form split by heads")
+    cases = [(2, config) for config in CONFIGS.values()] + [(4, HYBRID_4)]
+    for world, config in cases:
+        for packed in (False, True):
+            for errors in ranks(world).run(_one_layer, family, config, packed, "heads"):
+                assert max(errors.values()) <= 1e-5, (config, packed, errors)
+
+
+@pytest.mark.parametrize("family,ac,compile", [("qwen3_5_text", "full", True), ("bamba", "selective", False)])
+def test_split_mixers_are_exact_in_whole_models_under_checkpointing_and_compile(ranks, family, ac, compile):
+    """Whole tiny models as the training paths build them (activation checkpointing, the decoder layers compiled),
+    packed documents, under cp 2: loss and every parameter gradient as one process's (the support matrix's
+    judgement), the mixers split over heads."""
+    if M.tiny_config(family) is None or not _heads.splittable(_layer(family)):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}, or not in a form split by heads")
+    for cell in ranks(2).run(M._cp_cell, family, "ring", True, ac, compile):
+        assert cell["status"] == "exact" and cell["paths"] == ["heads"], cell
+
+
 def test_outside_a_block_and_with_cp_1_the_layer_is_called_as_it_is():
     module = _layer("lfm2")
     x = torch.randn(1, 8, M.BASE["hidden_size"])
@@ -121,21 +153,28 @@ def test_outside_a_block_and_with_cp_1_the_layer_is_called_as_it_is():
 
 
 def test_search_a_hybrid_then_train_it_under_cp_from_a_bf16_checkpoint(tmp_path):
-    """LFM2 (short convolutions) from a bf16 checkpoint in several files: ``cptune search --model`` measures it on 2
-    ranks and writes a recipe; ``cptune launch`` trains it under cp 2 (the recipe's mesh overridden when the search
-    chose dp), packed documents, and its losses are one process's."""
+    """Qwen3.5 (Gated DeltaNet) from a bf16 checkpoint in several files: ``cptune search --model`` measures it on 2
+    ranks, its mixers split over heads and whole, and writes a recipe; ``cptune show`` says which path its layers
+    take; ``cptune launch`` trains it under cp 2 (the recipe's mesh overridden when the search chose dp), packed
+    documents, and its losses are one process's."""
     import sys
 
     from tests.test_build import _save
     from tests.test_train_hf import SCRIPT, losses, run
 
-    config = M.tiny_config("lfm2")
-    folder = _save(config, tmp_path / "lfm2")
+    config = M.tiny_config("qwen3_5_text")
+    if config is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3.5")
+    folder = _save(config, tmp_path / "qwen3_5")
     assert len(list(folder.glob("*.safetensors"))) >= 2
     found = run([sys.executable, "-m", "cptune", "search", "--model", str(folder), "--seq-len", "64", "--documents",
                  "2", "--nproc", "2", "--memory-budget", "4GiB", "--min-seconds", "0.1", "--out", "h.yaml"], tmp_path)
-    assert "best: " in found.stdout, found.stdout
+    assert "best: " in found.stdout and "mixers-whole" in found.stdout, found.stdout  # both paths measured
     recipe = cptune.load_recipe(tmp_path / "h.yaml")
+    cptune.save_recipe(recipe.with_overrides(["config.mesh_shape=[1,2]"]), tmp_path / "cp2.yaml")
+    shown = run([sys.executable, "-m", "cptune", "show", "cp2.yaml"], tmp_path).stdout
+    way = {"split": "split over heads (all-to-all)", "whole": "whole on every rank (generic path)"}[recipe.config.mixers]
+    assert f"mixers   : 3 x Qwen3_5GatedDeltaNet {way}" in shown, shown
     assert recipe.workload.model == str(folder) and recipe.metrics.measured
     run([sys.executable, "-m", "cptune", "launch", "h.yaml", "config.mesh_shape=[1,2]", "--", SCRIPT, "--weights",
          "--steps", "2", "--losses-out", "cp.json"], tmp_path)

@@ -11,11 +11,15 @@ import torch.nn as nn
 
 import cptune
 from benchmarks import matrix as M
-from cptune import _halo, _mixers, models
+from cptune import _paths, _mixers, models
 
 transformers = pytest.importorskip("transformers")
 
-HYBRIDS = ("qwen3_next", "qwen3_5_text", "lfm2", "bamba", "falcon_h1", "jamba", "granitemoehybrid", "minimax")
+HYBRIDS = {"qwen3_next": "heads", "qwen3_5_text": "heads", "lfm2": "halo", "bamba": "heads", "falcon_h1": "generic",
+           "jamba": "generic", "granitemoehybrid": "heads", "minimax": "generic"}
+"""Each hybrid family and the path its mixers take (cptune._paths): Gated DeltaNet and Bamba-form Mamba2 split over
+heads, LFM2's short convolutions by a halo exchange, Falcon-H1's scaled Mamba2, Jamba's Mamba and MiniMax's
+lightning attention by the generic path."""
 
 
 def test_every_cell_is_exact_or_refused_by_name_and_the_docs_hold_the_table(ranks):
@@ -32,6 +36,7 @@ def test_every_cell_is_exact_or_refused_by_name_and_the_docs_hold_the_table(rank
             # and Jamba trains only with CUDA kernels (one process fails too): each said by name
             assert cell["status"] == "exact" or floor and cell["status"] in ("refused", "no reference"), \
                 (family, label, cell)
+            assert cell["status"] != "exact" or cell["paths"] == [HYBRIDS[family]], (family, label, cell)
     for family in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "deepseek_v3", "olmo3", "olmoe",
                    "apertus"):
         if family in matrix:  # OLMo3 is newer than 4.56
@@ -64,9 +69,10 @@ def test_the_rule_names_each_layer_that_mixes_tokens_and_a_path_covers_it(family
     covered, left = _mixers.model_coverage(model)
     assert covered and all(path.endswith(f".{block}") for path in covered) and left == [], (covered, left)
     assert models.cp_problems(M.tiny_config(family), 2) == []  # exact by the generic path: nothing to refuse
-    split = {path for path, module in covered.items() if _halo.splittable(module)}  # the halo path's: LFM2's
-    assert (split == set(covered)) == (family == "lfm2"), split
+    split = {path for path, module in covered.items() if _paths.splits(module)}  # LFM2's (halo), GDN's, Mamba2's
+    assert (split == set(covered)) == (family != "minimax"), split  # MiniMax's lightning attention: generic
     assert set(models.whole_layers(M.tiny_config(family), model)) == set(covered) - split
+    assert set(models.whole_layers(M.tiny_config(family), model, mixers="whole")) == set(covered)
 
 
 class _Shift(nn.Module):  # a family cptune has never seen: a token shift it has no rule for
@@ -124,8 +130,10 @@ def test_the_plan_says_what_runs_whole_and_proposes_no_tp_a_family_cannot_take(t
         shapes = [p.point.config.parallel_dims() for p in result.predictions]
         problems = [models.mesh_problems(M.tiny_config(family), d) for d in shapes]
         assert shapes and not any(problems), (family, problems[:1])
-        if family == "qwen3_next":  # cp > 1 by the generic path, which the step model says it does not price
-            assert "3 x Qwen3NextGatedDeltaNet) run whole on every rank" in result.header(), result.header()
+        if family == "qwen3_next":  # its Gated DeltaNet priced on its path: split by heads, or whole (both rows)
+            assert "3 of the 4 layers are gated_deltanet: priced on their path" in result.header(), result.header()
+            assert {p.point.config.mixers for p in result.predictions if p.point.config.parallel_dims().cp > 1} \
+                == {"split", "whole"}
         if family == "lfm2":  # its short convolutions split over cp (the halo path): nothing runs whole
             assert "run whole" not in result.header() and any(d.cp > 1 for d in shapes), result.header()
         assert any(d.tp > 1 for d in shapes) == (family == "qwen3"), (family, shapes)  # q/k norms split; MoE not

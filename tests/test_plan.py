@@ -355,3 +355,46 @@ def test_the_step_model_prices_the_loss_as_it_is_built():
     best = plans["chunked"].best
     assert best is not None and best.peak_bytes <= plans["chunked"].budget and best.memory["loss"] < 2**30
     assert plans["whole"].best is None
+
+
+QWEN3_5 = ROOT / "examples/models/qwen3.5-shaped"
+"""Qwen3.5's shape (transformers' Qwen3_5TextConfig defaults): three Gated DeltaNet layers in every four."""
+
+
+def test_the_step_model_prices_a_hybrids_mixers_on_their_path(tmp_path):
+    """A hybrid's layers are read from its config (Gated DeltaNet, Mamba2, short convolutions) and priced on the path
+    cptune takes: split over cp (all-to-all over heads, halo) or whole on every rank (``mixers: whole``, or heads
+    that cp does not divide). A Qwen3.5-shaped model at 1M tokens on 16 H100s fits split and not whole."""
+    dims = P.dims_from_config(QWEN3_5)
+    mix = dims.mixer
+    assert mix.kind == "gated_deltanet" and mix.layers == 24 and mix.heads == 16 and mix.state == 32 * 128 * 128
+    assert dims.params > 8e9 and "24 of the layers gated_deltanet" in dims.describe()
+    bamba = P.dims_from_config(_saved(tmp_path / "b", {"model_type": "bamba", "num_hidden_layers": 8,
+                                                         "hidden_size": 512, "num_attention_heads": 8,
+                                                         "attn_layer_indices": [3, 7], "mamba_n_heads": 16,
+                                                         "mamba_d_head": 64, "mamba_d_state": 64}))
+    assert bamba.mixer.kind == "mamba2" and bamba.mixer.layers == 6 and bamba.mixer.gathered == 2 * 64
+    lfm2 = P.dims_from_config(_saved(tmp_path / "l", {"model_type": "lfm2", "num_hidden_layers": 4, "hidden_size": 64,
+                                                        "num_attention_heads": 4, "num_key_value_heads": 4, "conv_L_cache": 3,
+                                                        "layer_types": ["conv", "full_attention"] * 2}))
+    assert lfm2.mixer.kind == "short_conv" and lfm2.mixer.layers == 2 and lfm2.mixer.fits(3)
+
+    work = P.plan_workload(dims, 1048576)
+    hw = P.load_hardware("h100")
+    split_cfg = cptune.CPConfig(mesh_shape=(1, 16), rotate_method="alltoall", load_balance=True)
+    split = P.predict(dims, work, P.Point(split_cfg, "full"), hw, 8)
+    whole = P.predict(dims, work, P.Point(split_cfg.model_copy(update={"mixers": "whole"}), "full"), hw, 8)
+    assert split.memory["activations"] < whole.memory["activations"] / 3
+    assert split.time["comm_mixers"] < whole.time["comm_mixers"] and split.step_s < whole.step_s
+    odd = P.predict(dims, work, P.Point(split_cfg.model_copy(update={"mesh_shape": (1, 32)}), "full"), hw, 8)
+    assert odd.memory["activations"] > split.memory["activations"]  # 16 key heads over 32 ranks: whole
+    plan = P.plan(dims, work, hw, 16)
+    assert plan.best is not None and plan.best.point.config.mixers == "split", plan.best
+    assert all(p.infeasible for p in plan.predictions if p.point.config.mixers == "whole")
+    assert "24 of the 32 layers are gated_deltanet" in plan.header()
+
+
+def _saved(folder: Path, config: dict) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder / "config.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -13,6 +13,69 @@ from .._files import read_json_object
 from ..config import StrictModel
 from ..errors import Problem, ProblemError, ValidationError
 from ..workload import Workload
+
+
+class MixerDims(StrictModel):
+    """A hybrid's layers that mix tokens outside softmax attention, as the step model prices them (read from the
+    config by :func:`mixer_from_fields`). Widths are per token over all the layer's heads."""
+
+    kind: Literal["gated_deltanet", "mamba2", "short_conv"]
+    layers: int = Field(gt=0)
+    """How many of the model's layers are this kind (the rest are softmax attention)."""
+    heads: int = Field(0, ge=0)
+    """What the heads path divides over cp (a Gated DeltaNet's key heads, Mamba2's heads); 0: a short convolution
+    (the halo path: any cp)."""
+    width: int = Field(gt=0)
+    """What the in-projections make per token."""
+    exchanged: int = Field(0, ge=0)
+    """What the heads path's all-to-alls carry per token, in and out (the recurrence's inputs and its output)."""
+    gathered: int = Field(0, ge=0)
+    """What the heads path gathers whole on every rank per token (Mamba2's B and C, one per group of heads)."""
+    key_width: int = Field(0, ge=0)
+    value_width: int = Field(0, ge=0)
+    state: int = Field(0, ge=0)
+    """The recurrent state's elements over all heads (0: none, a convolution)."""
+    chunk: int = Field(64, gt=0)
+    """The chunked kernel's chunk length."""
+    params: int = Field(gt=0)
+    """One such layer's parameters, in place of attention's q, k, v and o."""
+
+    def fits(self, cp: int) -> bool:
+        """Whether the split path runs these layers under ``cp`` ranks (:func:`cptune._paths.path`'s rule)."""
+        return self.heads == 0 or self.heads % cp == 0
+
+
+def mixer_from_fields(text: Mapping[str, Any]) -> MixerDims | None:
+    """The mixer layers a transformers config states: Gated DeltaNet (``linear_num_key_heads``; Qwen3.5, Qwen3-Next),
+    Mamba2 (``mamba_n_heads``; Bamba, Granite 4, Nemotron-H, Falcon-H1) and LFM2's short convolutions
+    (``conv_L_cache``), counted from ``layer_types`` (or, for Bamba, ``attn_layer_indices``)."""
+    h, layers = text["hidden_size"], int(text["num_hidden_layers"])
+    kinds = [str(k).lower() for k in (text.get("layer_types") or text.get("layers_block_type") or [])]
+
+    def count(*names: str) -> int:
+        if kinds:
+            return sum(k in names for k in kinds)
+        return layers - len(text.get("attn_layer_indices") or [])
+
+    if text.get("linear_num_key_heads"):
+        nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+        dk, dv, k = text["linear_key_head_dim"], text["linear_value_head_dim"], text.get("linear_conv_kernel_dim", 4)
+        conv = 2 * nk * dk + nv * dv
+        return MixerDims(kind="gated_deltanet", layers=count("linear_attention"), heads=nk,
+                         width=conv + nv * dv + 2 * nv, exchanged=conv + 2 * nv + nv * dv, key_width=nv * dk,
+                         value_width=nv * dv, state=nv * dk * dv, chunk=64,
+                         params=h * (conv + nv * dv + 2 * nv) + conv * k + nv * dv * h + 2 * nv + dv)
+    if text.get("mamba_n_heads"):
+        heads, dh, n = text["mamba_n_heads"], text["mamba_d_head"], text["mamba_d_state"]
+        inner = int(text.get("mamba_d_ssm") or text.get("mamba_expand", 2) * h)
+        bc, k = 2 * text.get("mamba_n_groups", 1) * n, text.get("mamba_d_conv", 4)
+        return MixerDims(kind="mamba2", layers=count("mamba", "m"), heads=heads, width=2 * inner + bc + heads,
+                         exchanged=2 * inner + heads, gathered=bc, key_width=heads * n, value_width=inner, state=heads * dh * n,
+                         chunk=int(text.get("mamba_chunk_size", 256)),
+                         params=h * (2 * inner + bc + heads) + (inner + bc) * k + inner * h + 3 * heads + inner)
+    if text.get("conv_L_cache") and "conv" in kinds:
+        return MixerDims(kind="short_conv", layers=count("conv"), width=3 * h, params=4 * h * h + h * text["conv_L_cache"])
+    return None
 
 
 class ModelDims(StrictModel):
@@ -33,6 +96,8 @@ class ModelDims(StrictModel):
     tied_embeddings: bool = False
     attention_only: bool = False
     kv_expanded: bool = False
+    mixer: MixerDims | None = None
+    """A hybrid's layers that mix tokens outside attention (None: every layer is softmax attention)."""
     name: str = ""
 
     @model_validator(mode="after")
@@ -64,18 +129,26 @@ class ModelDims(StrictModel):
         return h * (self.q_width + 2 * self.kv_width) + self.q_width * h + 3 * h * self.ffn + 2 * h
 
     @property
+    def all_layer_params(self) -> int:
+        """Every block's parameters: a hybrid's mixer layers have theirs in place of attention's projections."""
+        if self.mixer is None:
+            return self.layers * self.layer_params
+        attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
+        return self.layers * self.layer_params + self.mixer.layers * (self.mixer.params - attention)
+
+    @property
     def params(self) -> int:
         if self.attention_only:
             return 0
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.layers * self.layer_params + embed + self.hidden
+        return self.all_layer_params + embed + self.hidden
 
     def describe(self) -> str:
         if self.attention_only:
             return f"attention proxy: {self.layers} layer(s), {self.heads}/{self.kv_heads} heads x {self.head_dim}"
         return (f"{self.name or 'model'}: {self.params / 1e9:.2f}B parameters, {self.layers} layers, hidden "
                 f"{self.hidden}, {self.heads}/{self.kv_heads} heads x {self.head_dim}, ffn {self.ffn}, "
-                f"vocab {self.vocab}")
+                f"vocab {self.vocab}" + (f", {self.mixer.layers} of the layers {self.mixer.kind}" if self.mixer else ""))
 
 
 def dims_from_values(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -100,7 +173,7 @@ def _from_fields(data: Mapping[str, Any], name: str) -> ModelDims:
                      kv_heads=text.get("num_key_value_heads") or heads,
                      head_dim=text.get("head_dim") or hidden // heads, ffn=text.get("intermediate_size") or 4 * hidden,
                      vocab=text.get("vocab_size") or 0, tied_embeddings=bool(text.get("tie_word_embeddings", False)),
-                     name=name)
+                     mixer=mixer_from_fields(text), name=name)
 
 
 def dims_from_config(path: str | Path, overrides: Mapping[str, Any] | None = None,

@@ -23,9 +23,11 @@ from ._step import Point, Prediction, predict
 
 def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
            backend: str = "flash", tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,),
-           cp_refused: str | None = None) -> tuple[list[Point], list[tuple[str, str]]]:
-    """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why."""
-    valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees, replicas, cp_refused)
+           cp_refused: str | None = None, mixers: tuple[str, ...] = ()) -> tuple[list[Point], list[tuple[str, str]]]:
+    """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why;
+    ``mixers``: the ways a hybrid's mixer layers may cross the ranks (:attr:`cptune.CPConfig.mixers`)."""
+    valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees, replicas, cp_refused,
+                                    mixers)
     return [Point(config, ac) for config in valid for ac in ac_modes], invalid
 
 
@@ -119,13 +121,20 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     tps, cp_refused, whole = model_limits(workload, tp_degrees(gpus, gpus_per_node, max_tp))
     notes = [f"cp > 1 is not possible: {cp_refused}. The rows are cp = 1, and the step model does not price those "
              "layers: it takes every decoder layer as softmax attention"] if cp_refused else []
+    mix = dims.mixer
     if whole:
         notes.append(f"under cp > 1 the layers that mix tokens outside attention ({whole}) run whole on every rank "
-                     "(cptune's generic path gathers their input over cp: exact, not split); the step model prices "
-                     "them as softmax attention, which under-states their memory at long sequences: measure them "
-                     "with cptune search --model")
+                     "(cptune's generic path gathers their input over cp: exact, not split); the step model "
+                     + (f"prices them so (mixers: whole, {mix.layers} {mix.kind} layers)" if mix else
+                        "prices them as softmax attention, which under-states their memory at long sequences: "
+                        "measure them with cptune search --model"))
+    elif mix and not cp_refused:
+        notes.append(f"{mix.layers} of the {dims.layers} layers are {mix.kind}: priced on their path (mixers: split "
+                     + ("by a halo exchange" if mix.kind == "short_conv" else
+                        f"by an all-to-all over {mix.heads} heads where cp divides them") + "; mixers: whole gathers "
+                     "the sequence on every rank), linear-time compute with its state (cptune.plan._mixer_step)")
     valid, invalid = points(workload, gpus, ac_modes, tp_degrees=tps, replicas=(1, nodes) if nodes > 1 else (1,),
-                            cp_refused=cp_refused)
+                            cp_refused=cp_refused, mixers=(("whole",) if whole else ("split", "whole")) if mix else ())
     if not valid:
         raise ValidationError([Problem("seq_len", f"no configuration of {gpus} GPUs can split this workload: "
                                        + "; ".join(sorted({r for _, r in invalid})[:3]),

@@ -32,6 +32,7 @@ from ..attention import Layout, documents_from_lengths, kv_replication, lengths_
     work_chunks
 from ..config import CPConfig, decide_load_balance
 from ..workload import Workload
+from . import _mixer_step
 from ._dims import ModelDims
 from ._hardware import Hardware
 
@@ -62,7 +63,7 @@ class Point:
         return self.sync == "fsdp"
 
     def label(self) -> str:
-        return f"{self.config.model_copy(update={'sdpa_backend': None}).label().removesuffix(' default')} ac-{self.ac}"
+        return f"{self.config.model_copy(update={'sdpa_backend': None}).label().replace(' default', '')} ac-{self.ac}"
 
 
 @dataclass
@@ -224,15 +225,23 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     attn_rate = hw.flops(w.dtype) * eff.attention
     mem_rate = hw.memory_GBps * 1e9 * eff.memory
 
+    # a hybrid's mixer layers (cptune.plan._mixer_step), the rest softmax attention
+    mix = dims.mixer
+    M = mix.layers if mix is not None else 0
+    La = L - M
+    mixing = _mixer_step.terms(mix, _mixer_step.path(mix, cp, c.mixers), tokens, cp, h, e) if M else None
+
     # -- compute -------------------------------------------------------------------------
-    matmul = (dims.layer_params - 2 * h) / tp if not dims.attention_only else 0
+    matmul = (dims.all_layer_params / L - 2 * h) / tp if not dims.attention_only else 0
     # the LM head and loss: chunked, each tp rank its share of the vocabulary (recomputed in backward under tp); whole
     # (loss: whole), every tp rank the whole vocabulary
     head = 0 if dims.attention_only or not dims.vocab else dims.vocab / (tp if w.loss == "chunked" else 1)
     head_recompute = 2 * tokens * h * head if w.loss == "chunked" and tp > 1 else 0
     dense_fwd = 2 * tokens * (L * matmul + h * head)
+    if mixing is not None:  # the generic path projects the whole sequence on every rank
+        dense_fwd += M * (mixing.dense_flops - 2 * tokens * mix.params)
     pairs = busiest_pairs(w, ring, lb) * b
-    attn_fwd = 4 * dims.head_dim * (heads / ulysses) * pairs * L
+    attn_fwd = 4 * dims.head_dim * (heads / ulysses) * pairs * La + (M * mixing.recurrence_flops if M else 0)
     # elementwise traffic per token: the residual stream's and the heads' (split by tp), the gathered inputs, the MLP's
     per_token = 3 * hq if dims.attention_only else 14 * h / tp + gathered_in + 6 * f
     expanded = 2 * hq if dims.kv_expanded else 0  # repeat_kv writes query-wide K and V (and autograd keeps them)
@@ -253,7 +262,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     bwd_q, bwd_kv = RING_STEP_BYTES["backward"]
     merge_passes = 2 if point.ac == "full" else 1
     per_step = merge_passes * (fwd_q * hq + fwd_kv * kv_att) + bwd_q * hq + bwd_kv * kv_att
-    merge = L * received * tokens * per_step / mem_rate
+    merge = La * received * tokens * per_step / mem_rate
     recompute += head_recompute / gemm_rate
     compute = 3 * dense_t + attention_t + 3 * elem_t + recompute + overhead + merge
 
@@ -264,7 +273,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         fwd = links.seconds(hops * block, hops, cp * tp)  # the cp group's ranks lie tp apart
         bwd = links.seconds(hops * block * (1 + 4 / e), 2 * hops, cp * tp)
         passes_fwd = 2 if point.ac == "full" else 1
-        ring_t = L * (passes_fwd * fwd + bwd)
+        ring_t = La * (passes_fwd * fwd + bwd)
         comm["ring"] = ring_t
         if prefetched:  # step k's block travels while step k-1's is computed
             hidden_by = (attention_t + (attn_fwd_t if point.ac == "full" else 0)) * (ring - 1) / ring
@@ -279,12 +288,17 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         exposed += comm["tp"]
     if ulysses > 1:
         one = links.seconds(tokens * exchanged * (ulysses - 1) / ulysses, 4 * (ulysses - 1), ulysses * tp)
-        comm["ulysses"] = L * (2 + (1 if point.ac == "full" else 0)) * one
+        comm["ulysses"] = La * (2 + (1 if point.ac == "full" else 0)) * one
         exposed += comm["ulysses"]
+    if mixing is not None and mixing.messages:  # the mixers' all-to-alls, gathers, all-reduces: exposed
+        again = mixing.forward_bytes if point.ac == "full" else 0
+        comm["mixers"] = M * links.seconds(mixing.forward_bytes + mixing.backward_bytes + again,
+                                           mixing.messages * (3 if again else 2), cp * tp)
+        exposed += comm["mixers"]
     sharded = mesh.dp_shard * cp  # FSDP2's ranks (each tp rank's own); HSDP replicates over dp_replicate
     shards = sharded if point.fsdp else 1
-    layer_p = dims.layer_params / tp  # a tp rank's share of a layer (its norms, a rounding here, whole)
-    root_p = dims.params - L * dims.layer_params
+    layer_p = dims.all_layer_params / L / tp  # a tp rank's share of a layer (its norms, a rounding here, whole)
+    root_p = dims.params - dims.all_layer_params
     if dims.params and world > 1:
         if point.fsdp and sharded > 1:  # the FSDP group's ranks lie tp apart: it spans cp x dp_shard x tp ranks
             per_layer = links.seconds(layer_p * (2 * e + 4) * (sharded - 1) / sharded, 3 * (sharded - 1), sharded * tp)
@@ -318,9 +332,15 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         full_layer = (6 * h / tp + kept_in + 4 * hq + 3 * kv + expanded + 4 * f) * e + lse + ring_extra + exchanged
         selective = (h / tp + 2 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + exchanged
         kept = {"none": full_layer, "selective": selective, "full": h * e / tp}[point.ac]
+    per_layer = [(La, kept, full_layer)]
+    if mixing is not None:  # a mixer layer: its norms, residual and MLP as attention's, the mixer's own (selective
+        # keeps its matmuls' outputs: about all of it)
+        full_mixer = (6 * h + 4 * f) * e + mixing.kept_bytes / tokens
+        per_layer.append((M, full_mixer if point.ac != "full" else h * e, full_mixer))
     # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
     # layer's recomputed activations too
-    activations = tokens * (L * kept + full_layer + (full_layer if point.ac != "none" else 0))
+    largest = max(full for _, _, full in per_layer)
+    activations = tokens * (sum(n * k for n, k, _ in per_layer) + largest + (largest if point.ac != "none" else 0))
     if w.loss == "whole":
         loss = tokens * head * (e + 8)  # the logits, their float32 copy and its gradient
     else:  # a chunk's, and each token's log-normalizer (vocabulary-parallel) or its target's logit

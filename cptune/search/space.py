@@ -6,14 +6,15 @@ import math
 from dataclasses import dataclass
 
 from ..config import CPConfig, decide_load_balance
-from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, model_limits, strategies, \
-    tp_degrees as degrees, usable_backends
+from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, mixer_choices, model_limits, \
+    strategies, tp_degrees as degrees, usable_backends
 from ..workload import Workload
 
 
 @dataclass(frozen=True)
 class Axis:
-    """The search dimensions, as Optuna categorical choices; ``ac`` only with ``--ac auto``."""
+    """The search dimensions, as Optuna categorical choices; ``ac`` only with ``--ac auto``; ``mixers`` only for a
+    ``--model`` with layers that mix tokens outside attention a split path runs (split against whole)."""
 
     mesh: tuple[str, ...]
     strategy: tuple[str, ...]
@@ -21,6 +22,7 @@ class Axis:
     sdpa_backend: tuple[str, ...]
     load_balance: tuple[bool, ...]
     ac: tuple[str, ...] = ()
+    mixers: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, list]:
         return {k: list(v) for k, v in self.__dict__.items() if v}
@@ -48,13 +50,15 @@ def axes(workload: Workload, world_size: int, device_type: str, tp: tuple[int, .
         sdpa_backend=tuple(backends),
         load_balance=(True, False) if workload.causal else (False,),
         ac=AC_MODES if workload.ac == "auto" else (),
+        mixers=mixer_choices(workload),
     )
 
 
 def all_configs(workload: Workload, world_size: int, device_type: str, tp: tuple[int, ...] = (1,)) -> list[CPConfig]:
     """Every distinct valid configuration (the exhaustive oracle's list)."""
     backends = usable_backends(device_type, workload.torch_dtype) or ["flash"]
-    return configurations(workload, world_size, tuple(backends), device_type, tp)[0]
+    return configurations(workload, world_size, tuple(backends), device_type, tp,
+                          mixers=mixer_choices(workload))[0]
 
 
 def pytorch_default(workload: Workload, world_size: int, device_type: str) -> CPConfig:
