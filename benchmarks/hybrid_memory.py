@@ -5,10 +5,12 @@ layers the family's own mixer and the fourth softmax attention. Each rank's peak
 over one process's: with the mixers split (``CPConfig(mixers="split")``: LFM2's by the halo exchange,
 ``cptune._halo``; Gated DeltaNet's and Mamba2's by an all-to-all over their heads, ``cptune._heads``), and, for
 comparison, run whole by the generic path (``mixers="whole"``, ``cptune._gathered``). Issue 51's goal for split
-paths: <= 0.35.
+paths: <= 0.35. Beside each figure, the step model's (``cptune.plan.predict`` with the shipped ``cpu`` profile): the
+activations' ratio and the step's.
 
     python -m benchmarks.hybrid_memory                          # every family, 16384 tokens, hidden 512, 8 layers
     python -m benchmarks.hybrid_memory --family qwen3_5_text    # one of them
+    python -m benchmarks.hybrid_memory --report benchmarks/results/hybrid-memory-<stamp>.json   # a saved run again
 
 Results: benchmarks/results/hybrid-memory-<stamp>.json.
 """
@@ -75,19 +77,68 @@ def rank_job(family: str, mode: str, tokens: int, hidden: int) -> None:
     cptune.close_rank()
 
 
+def predicted(family: str, tokens: int, hidden: int) -> dict[str, dict[str, float]]:
+    """The step model's figures for the same step (``cptune.plan.predict``, the shipped ``cpu`` profile, FSDP2 over
+    cp, no AC): per mode, the step time and the activations over one process's."""
+    import tempfile
+
+    import cptune
+    import cptune.plan as P
+
+    with tempfile.TemporaryDirectory() as folder:
+        _config(family, hidden).save_pretrained(folder)
+        dims = P.dims_from_config(folder)
+    work, hw = P.plan_workload(dims, tokens, dtype="float32"), P.load_hardware("cpu")
+    one = P.predict(dims, work, P.Point(cptune.CPConfig(mesh_shape=(1, 1)), "none"), hw, 4)
+    found = {}
+    for mode in ("split", "whole"):
+        config = cptune.CPConfig(mesh_shape=(1, 4), rotate_method="allgather", load_balance=True, mixers=mode)
+        got = P.predict(dims, work, P.Point(config, "none"), hw, 4)
+        found[mode] = {"step": got.step_s / one.step_s,
+                       "activations": got.memory["activations"] / one.memory["activations"]}
+    return found
+
+
+def report(results: dict) -> None:
+    """Each family's measured figures, the plan's predictions beside them."""
+    mib, tokens, hidden = 2 ** 20, results["tokens"], results["hidden"]
+    for family in FAMILIES:
+        found = results.get(family)
+        if found is None:
+            continue
+        one, plan = found["one"], predicted(family, tokens, hidden)
+        print(f"{family}, {len(found['layer_types'])} layers (6 {MIXER[family]}), hidden {hidden}, {tokens} tokens, "
+              "float32, one step (forward + backward)")
+        print(f"  one process: peak rise {one['peak_rise'] / mib:.0f} MiB, {one['seconds']:.1f} s")
+        for mode in ("split", "whole"):
+            r, p = found[mode], plan[mode]
+            beside = f"(plan: activations {p['activations']:.2f}x, step {p['step']:.2f}x)"
+            if "failed" in r:
+                print(f"  cp4 ring lb, mixers {mode}: {r['failed']} {beside}")
+                continue
+            print(f"  cp4 ring lb, mixers {mode}: worst rank's peak rise {r['peak_rise'] / mib:.0f} MiB = "
+                  f"{r['peak_rise'] / one['peak_rise']:.2f}x one process's, step {r['seconds']:.1f} s = "
+                  f"{r['seconds'] / one['seconds']:.2f}x {beside}", flush=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--family", choices=FAMILIES, action="append")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--report", metavar="RESULTS", help="print a saved run's figures with the plan's beside them")
     parser.add_argument("--rank-job", default=None)
     args = parser.parse_args(argv)
     if args.rank_job:
         rank_job(args.family[0], args.rank_job, args.tokens, args.hidden)
         return 0
+    if args.report:
+        import json
+
+        report(json.loads(Path(args.report).read_text()))
+        return 0
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     results = {"tokens": args.tokens, "hidden": args.hidden}
-    mib = 2 ** 20
     for family in args.family or FAMILIES:
         job = ["-m", "benchmarks.hybrid_memory", "--family", family, "--tokens", str(args.tokens), "--hidden",
                str(args.hidden), "--rank-job"]
@@ -99,18 +150,7 @@ def main(argv: list[str]) -> int:
             except RuntimeError as exc:  # a rank killed for memory: 4 ranks did not fit this machine
                 found[mode] = {"failed": "killed (SIGKILL: out of memory)" if "SIGKILL" in str(exc) else
                                str(exc)[-300:]}
-        one = found["one"]
-        print(f"{family}, {len(found['layer_types'])} layers (6 {MIXER[family]}), hidden {args.hidden}, "
-              f"{args.tokens} tokens, float32, one step (forward + backward)")
-        print(f"  one process: peak rise {one['peak_rise'] / mib:.0f} MiB, {one['seconds']:.1f} s")
-        for mode in ("split", "whole"):
-            r = found[mode]
-            if "failed" in r:
-                print(f"  cp4 ring lb, mixers {mode}: {r['failed']}", flush=True)
-                continue
-            print(f"  cp4 ring lb, mixers {mode}: worst rank's peak rise {r['peak_rise'] / mib:.0f} MiB = "
-                  f"{r['peak_rise'] / one['peak_rise']:.2f}x one process's, step {r['seconds']:.1f} s = "
-                  f"{r['seconds'] / one['seconds']:.2f}x", flush=True)
+    report(results)
     save_results(ROOT, "hybrid-memory", results)
     return 0
 

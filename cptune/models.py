@@ -88,7 +88,7 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, ar
     data = read_json_object(found, argument, "give a model's config.json as save_pretrained writes it")
     if "model_type" not in data:
         raise ValidationError([Problem(argument, f"{found} has no model_type", "use a transformers config.json")])
-    fields = {k: v for k, v in data.items() if k != "transformers_version"}
+    fields = {k: _special_floats(v) for k, v in data.items() if k != "transformers_version"}
     known = _config(transformers, fields, argument, found)
     if overrides:  # checked against the config as saved (made with them, any name would be an attribute)
         raise_if(_override_problems(known, overrides))
@@ -96,6 +96,21 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, ar
     config = _config(transformers, {**fields, **overrides}, "model_overrides", found) if overrides else known
     config.use_cache = False
     return config
+
+
+_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_floats(value: Any) -> Any:
+    """``value`` with transformers' JSON form of infinities and NaN (``{"__float__": "Infinity"}``, as
+    ``save_pretrained`` writes Bamba's ``time_step_limit``) read back as floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _FLOATS:
+            return _FLOATS[value["__float__"]]
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 def _config(transformers, fields: dict, argument: str, found: Path):
@@ -107,7 +122,10 @@ def _config(transformers, fields: dict, argument: str, found: Path):
                                        "transformers supports, or a transformers release that has it")])
     try:
         return transformers.AutoConfig.for_model(**fields)
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - TypeError, ValueError..., huggingface_hub's strict dataclass errors
+        if not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError)) \
+                and "Validation" not in type(exc).__name__:
+            raise
         text = str(exc).strip().splitlines()
         raise ValidationError([Problem(argument, f"{type(exc).__name__} from transformers' "
                                        f"{transformers.CONFIG_MAPPING[model_type].__name__}: "

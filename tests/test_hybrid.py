@@ -27,6 +27,14 @@ def _layer(family: str) -> torch.nn.Module:
     return getattr(model.model.layers[index], LAYERS[family])
 
 
+def _split_by_heads(family: str) -> bool:
+    """Whether this transformers has ``family`` and builds it here, its mixer in a form the heads path splits."""
+    try:
+        return M.tiny_config(family) is not None and _heads.splittable(_layer(family))
+    except cptune.ValidationError:  # Bamba and Granite 4 on 4.56: cannot be built on the meta device (named)
+        return False
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
@@ -121,7 +129,7 @@ def test_gated_deltanet_and_mamba2_are_exact_split_over_their_heads(ranks, famil
     heads over the whole sequence (an all-to-all each way; Mamba2's convolution by the halo exchange, its B and C
     gathered): on 2 ranks under every layout above, packed and not, and on 4 ranks as a hybrid (2 ring shards of 2
     Ulysses pieces, load balanced)."""
-    if M.tiny_config(family) is None or not _heads.splittable(_layer(family)):
+    if not _split_by_heads(family):
         pytest.skip(f"transformers {transformers.__version__} has no {family}, or not in a form split by heads")
     cases = [(2, config) for config in CONFIGS.values()] + [(4, HYBRID_4)]
     for world, config in cases:
@@ -135,7 +143,7 @@ def test_split_mixers_are_exact_in_whole_models_under_checkpointing_and_compile(
     """Whole tiny models as the training paths build them (activation checkpointing, the decoder layers compiled),
     packed documents, under cp 2: loss and every parameter gradient as one process's (the support matrix's
     judgement), the mixers split over heads."""
-    if M.tiny_config(family) is None or not _heads.splittable(_layer(family)):
+    if not _split_by_heads(family):
         pytest.skip(f"transformers {transformers.__version__} has no {family}, or not in a form split by heads")
     for cell in ranks(2).run(M._cp_cell, family, "ring", True, ac, compile):
         assert cell["status"] == "exact" and cell["paths"] == ["heads"], cell

@@ -369,10 +369,10 @@ def test_the_step_model_prices_a_hybrids_mixers_on_their_path(tmp_path):
     mix = dims.mixer
     assert mix.kind == "gated_deltanet" and mix.layers == 24 and mix.heads == 16 and mix.state == 32 * 128 * 128
     assert dims.params > 8e9 and "24 of the layers gated_deltanet" in dims.describe()
-    bamba = P.dims_from_config(_saved(tmp_path / "b", {"model_type": "bamba", "num_hidden_layers": 8,
-                                                         "hidden_size": 512, "num_attention_heads": 8,
-                                                         "attn_layer_indices": [3, 7], "mamba_n_heads": 16,
-                                                         "mamba_d_head": 64, "mamba_d_state": 64}))
+    transformers = pytest.importorskip("transformers")
+    transformers.BambaConfig(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, attn_layer_indices=[3, 7],
+                             mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64).save_pretrained(tmp_path / "b")
+    bamba = P.dims_from_config(tmp_path / "b")  # its time_step_limit (0, inf) as save_pretrained writes it
     assert bamba.mixer.kind == "mamba2" and bamba.mixer.layers == 6 and bamba.mixer.gathered == 2 * 64
     lfm2 = P.dims_from_config(_saved(tmp_path / "l", {"model_type": "lfm2", "num_hidden_layers": 4, "hidden_size": 64,
                                                         "num_attention_heads": 4, "num_key_value_heads": 4, "conv_L_cache": 3,

@@ -179,16 +179,19 @@ def _from_fields(data: Mapping[str, Any], name: str) -> ModelDims:
 def dims_from_config(path: str | Path, overrides: Mapping[str, Any] | None = None,
                      argument: str = "model") -> ModelDims:
     """A model's dims from its local directory or config.json: through transformers' config when it is
-    installed (the loader ``cptune search --model`` uses, so derived fields follow overrides), else the JSON."""
+    installed and knows the model (the loader ``cptune search --model`` uses, so derived fields follow overrides),
+    else the JSON."""
     from .. import models
 
     found = models.config_path(path, argument)
     name = found.parent.name if found.name == "config.json" else found.stem
+    raw = read_json_object(found, argument, "give a model's config.json as save_pretrained writes it")
     try:
-        import transformers  # noqa: F401
+        import transformers
     except ImportError:
-        data = {**read_json_object(found, argument, "give a model's config.json as save_pretrained writes it"),
-                **(overrides or {})}
+        transformers = None
+    if transformers is None or raw.get("model_type") not in transformers.CONFIG_MAPPING:  # planned from the JSON
+        data = {**raw, **(overrides or {})}
     else:
         data = models.load_config(found, overrides, argument).to_dict()
     try:
