@@ -11,6 +11,7 @@ activations' ratio and the step's.
     python -m benchmarks.hybrid_memory                          # every family, 16384 tokens, hidden 512, 8 layers
     python -m benchmarks.hybrid_memory --family qwen3_5_text    # one of them
     python -m benchmarks.hybrid_memory --report benchmarks/results/hybrid-memory-<stamp>.json   # a saved run again
+    python -m benchmarks.hybrid_memory --family qwen3_5_text --config-out runs/qwen3_5-bench   # its model, to search
 
 Results: benchmarks/results/hybrid-memory-<stamp>.json.
 """
@@ -127,8 +128,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--report", metavar="RESULTS", help="print a saved run's figures with the plan's beside them")
+    parser.add_argument("--config-out", metavar="DIR", help="write --family's config there (for cptune search "
+                        "--model) and stop")
     parser.add_argument("--rank-job", default=None)
     args = parser.parse_args(argv)
+    if args.config_out:
+        _config((args.family or ["qwen3_5_text"])[0], args.hidden).save_pretrained(args.config_out)
+        print(f"config written: {args.config_out}")
+        return 0
     if args.rank_job:
         rank_job(args.family[0], args.rank_job, args.tokens, args.hidden)
         return 0

@@ -20,3 +20,18 @@ def read_json_object(path: str | Path, argument: str, fix: str) -> dict[str, Any
     if not isinstance(data, dict):
         raise ValidationError([Problem(argument, f"{path} holds a JSON {type(data).__name__}, not an object", fix)])
     return data
+
+
+_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def special_floats(value: Any) -> Any:
+    """``value`` with transformers' JSON form of infinities and NaN (``{"__float__": "Infinity"}``, as
+    ``save_pretrained`` writes Bamba's ``time_step_limit``) read back as floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and value["__float__"] in _FLOATS:
+            return _FLOATS[value["__float__"]]
+        return {k: special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [special_floats(v) for v in value]
+    return value

@@ -37,7 +37,7 @@ from ._meta import materialize as _materialize, parameters_on_meta as _parameter
 from ._mixers import decoder_layers
 from .attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ._hf import enable
-from ._files import read_json_object
+from ._files import read_json_object, special_floats
 from .errors import Problem, ValidationError, raise_if
 from .mesh import ParallelDims
 from .workload import AC_MODES, Workload
@@ -88,7 +88,7 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, ar
     data = read_json_object(found, argument, "give a model's config.json as save_pretrained writes it")
     if "model_type" not in data:
         raise ValidationError([Problem(argument, f"{found} has no model_type", "use a transformers config.json")])
-    fields = {k: _special_floats(v) for k, v in data.items() if k != "transformers_version"}
+    fields = {k: special_floats(v) for k, v in data.items() if k != "transformers_version"}
     known = _config(transformers, fields, argument, found)
     if overrides:  # checked against the config as saved (made with them, any name would be an attribute)
         raise_if(_override_problems(known, overrides))
@@ -96,21 +96,6 @@ def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None, ar
     config = _config(transformers, {**fields, **overrides}, "model_overrides", found) if overrides else known
     config.use_cache = False
     return config
-
-
-_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
-
-
-def _special_floats(value: Any) -> Any:
-    """``value`` with transformers' JSON form of infinities and NaN (``{"__float__": "Infinity"}``, as
-    ``save_pretrained`` writes Bamba's ``time_step_limit``) read back as floats."""
-    if isinstance(value, dict):
-        if set(value) == {"__float__"} and value["__float__"] in _FLOATS:
-            return _FLOATS[value["__float__"]]
-        return {k: _special_floats(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_special_floats(v) for v in value]
-    return value
 
 
 def _config(transformers, fields: dict, argument: str, found: Path):
