@@ -95,6 +95,15 @@ def _per_document(forward, hidden: torch.Tensor, kwargs: dict[str, Any], documen
     return _join(rows, 0)
 
 
+def by_document(session, forward, hidden: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """``forward(hidden, **kwargs)`` on the whole rows, or on each document alone where the block knows the packing
+    of rows this long (:func:`_per_document`): every path's restart at each document."""
+    documents = session.documents
+    if documents is None or documents.shape[-1] != hidden.shape[1]:
+        return forward(hidden, **kwargs)
+    return _per_document(forward, hidden, kwargs, documents.to(hidden.device))
+
+
 @torch.compiler.disable
 def _whole_forward(module: nn.Module, forward, *args: Any, **kwargs: Any) -> Any:
     session = active()
@@ -104,21 +113,13 @@ def _whole_forward(module: nn.Module, forward, *args: Any, **kwargs: Any) -> Any
     kwargs = {**dict(zip(names, args)), **kwargs}
     hidden = kwargs.pop(names[0])
     local = hidden.shape[1]
+    kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
     if session.cp == 1:  # packed documents in one process: each alone, as on cp ranks
-        kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
-        documents = session.documents
-        if documents.shape[-1] != local:
-            return forward(hidden, **kwargs)
-        return _per_document(forward, hidden, kwargs, documents.to(hidden.device))
+        return by_document(session, forward, hidden, kwargs)
     group, layout, rank = session.group, session.layout, session.cp_rank
     whole = GatherSequence.apply(hidden, 1, group, layout, rank)
-    kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
     kwargs = _map_sequence(kwargs, local, lambda t: A.gather(t.detach(), 1, group, layout))
-    documents = session.documents
-    if documents is not None and documents.shape[-1] == whole.shape[1]:
-        out = _per_document(forward, whole, kwargs, documents.to(whole.device))
-    else:
-        out = forward(whole, **kwargs)
+    out = by_document(session, forward, whole, kwargs)
     return _map_sequence(out, whole.shape[1], lambda t: A.shard(t, 1, layout, rank))
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._gathered import GatherSequence, segments
+from ._gathered import GatherSequence, by_document
 from .attention import _ulysses
 from .errors import Problem, raise_if
 
@@ -171,19 +171,6 @@ def _mix(module: nn.Module, q, k, v, beta, g, weight) -> torch.Tensor:
     return out
 
 
-def _per_document(session, run, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``run(*tensors)`` on each row (b, S, ...); with packed documents on each document of each row alone."""
-    documents, seq_len = session.documents, tensors[0].shape[1]
-    if documents is None or documents.shape[-1] != seq_len:
-        return run(*tensors)
-    documents = documents.to(tensors[0].device)
-    rows = []
-    for r in range(1 if documents.shape[0] == 1 else tensors[0].shape[0]):
-        take = (lambda t: t) if documents.shape[0] == 1 else (lambda t, r=r: t[r:r + 1])
-        rows.append(torch.cat([run(*(take(t)[:, s:e] for t in tensors)) for s, e in segments(documents[r])], dim=1))
-    return torch.cat(rows, dim=0)
-
-
 def _deltanet_forward(module: nn.Module, hidden_states: torch.Tensor, session) -> torch.Tensor:
     batch, length = hidden_states.shape[:2]
     q, k, v, z, b, a = _project(module, hidden_states)
@@ -200,7 +187,7 @@ def _deltanet_forward(module: nn.Module, hidden_states: torch.Tensor, session) -
     beta = b.sigmoid()
     decay = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
     weight = module.conv1d.weight[:, 0].index_select(0, _channels(module, rank, cp, q.device))
-    out = _per_document(session, lambda *t: _mix(module, *t, weight), (q, k, v, beta, decay))
+    out = by_document(session, lambda q, rest: _mix(module, q, *rest, weight), q, {"rest": (k, v, beta, decay)})
     out = to_sequence(out, session)  # (b, s, nv, dv): this rank's tokens of every head
     out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(out.reshape(batch, length, -1))
@@ -235,7 +222,8 @@ def _mamba2_forward(module: nn.Module, hidden_states: torch.Tensor, session) -> 
         return scan(x, dt, A, B, C, chunk_size=module.chunk_size, D=module.D[mine], dt_bias=module.dt_bias[mine],
                     dt_softplus=True, dt_limit=module.time_step_limit)
 
-    out = to_sequence(_per_document(session, run, (x, dt, B, C)), session)  # (b, s, heads, width)
+    out = to_sequence(by_document(session, lambda x, rest: run(x, *rest), x, {"rest": (dt, B, C)}),
+                      session)  # (b, s, heads, width)
     out = module.norm(out.reshape(batch, length, module.intermediate_size), gate)
     return module.out_proj(out.to(dtype))
 

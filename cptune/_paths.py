@@ -19,9 +19,6 @@ from . import _halo, _heads
 from ._gathered import _arg_names, _whole_forward, run_whole
 from ._session import active
 
-PATHS = ("halo", "heads", "generic")
-
-
 def path(module: nn.Module, cp: int, mixers: str = "split") -> str:
     """The path ``module`` (a layer :func:`cptune._mixers.covered` found) takes under ``cp`` ranks and ``mixers``
     (:attr:`cptune.CPConfig.mixers`)."""

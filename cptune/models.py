@@ -106,11 +106,12 @@ def _config(transformers, fields: dict, argument: str, found: Path):
                                        f"{transformers.__version__} knows", "use a config.json of a model this "
                                        "transformers supports, or a transformers release that has it")])
     try:
+        from huggingface_hub.errors import StrictDataclassError  # transformers 5's configs are strict dataclasses
+    except ImportError:
+        StrictDataclassError = ValueError  # noqa: N806 - older huggingface_hub: nothing more to catch
+    try:
         return transformers.AutoConfig.for_model(**fields)
-    except Exception as exc:  # noqa: BLE001 - TypeError, ValueError..., huggingface_hub's strict dataclass errors
-        if not isinstance(exc, (TypeError, ValueError, KeyError, AttributeError)) \
-                and "Validation" not in type(exc).__name__:
-            raise
+    except (TypeError, ValueError, KeyError, AttributeError, StrictDataclassError) as exc:
         text = str(exc).strip().splitlines()
         raise ValidationError([Problem(argument, f"{type(exc).__name__} from transformers' "
                                        f"{transformers.CONFIG_MAPPING[model_type].__name__}: "
