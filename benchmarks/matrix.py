@@ -4,7 +4,7 @@ parameter gradient within 1e-4 of the largest of its tensor) or refused by name;
 (``tests/test_matrix.py`` runs it in CI and holds the table in docs/transformers.md to it).
 
     python -m benchmarks.matrix                 # prints the matrix; results in benchmarks/results/matrix-*.json
-    python -m benchmarks.matrix --update-docs   # and writes it into docs/transformers.md
+    python -m benchmarks.matrix --update-docs   # and writes it into docs/transformers.md and cptune/_proven.json
 
 Cells: on 2 ranks the ring (load balanced) and Ulysses, each on two unpadded rows and on one row of packed
 documents (position ids restarting per document); on 4 ranks tp2·cp2 (each decoder layer split by the family's own
@@ -42,12 +42,13 @@ GDN = {"num_hidden_layers": 4, "linear_num_value_heads": 8, "linear_num_key_head
        "linear_value_head_dim": 16}
 MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1}
 SLIDING = {"sliding_window": 8}
+MLA = {**MOE, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+       "head_dim": 8, "num_key_value_heads": 4}  # DeepSeek's multi-head latent attention: a key per query head
 FAMILIES: dict[str, dict] = {
     "llama": {}, "mistral": SLIDING, "qwen2": {}, "qwen3": {}, "qwen3_moe": MOE, "qwen3_next": {**MOE, **GDN},
     "qwen3_5_text": GDN, "gemma": {}, "gemma2": SLIDING, "gemma3_text": {**SLIDING, "final_logit_softcapping": 30.0}, "phi": {}, "phi3": {}, "olmo2": {},
     "olmo3": SLIDING, "olmoe": MOE, "granite": {"logits_scaling": 4.0}, "granitemoe": MOE,
-    "deepseek_v3": {**MOE, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                    "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4},  # MLA: a key per query head
+    "deepseek_v3": MLA,
     "mixtral": MOE, "qwen2_moe": MOE, "gpt_oss": {**MOE, **SLIDING}, "glm4": {}, "glm4_moe": MOE, "smollm3": {},
     "cohere": {}, "cohere2": SLIDING, "ernie4_5": {}, "exaone4": SLIDING, "starcoder2": {}, "apertus": {},
     "seed_oss": {}, "lfm2": {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention"] * 2,
@@ -58,6 +59,16 @@ FAMILIES: dict[str, dict] = {
               "expert_layer_offset": 1, "mamba_d_state": 8, "mamba_dt_rank": 8},
     "granitemoehybrid": {**MOE, "num_hidden_layers": 4, "layer_types": ["mamba", "attention"] * 2, **MAMBA2},
     "minimax": {**MOE, "num_hidden_layers": 4},
+    # a 10M-token window: chunked layers (chunks of 8 here) and NoPE layers whose query temperature steps every 4
+    "llama4_text": {**MOE, "attention_chunk_size": 8, "no_rope_layers": [1, 0], "floor_scale": 4, "attn_scale": 0.5,
+                    "intermediate_size_mlp": 128},
+    "zamba2": {"num_hidden_layers": 4, "layers_block_type": ["mamba", "hybrid"] * 2, "mamba_headdim": 16,
+               "n_mamba_heads": 8, "mamba_d_state": 16},  # a shared transformer block feeding its Mamba layers
+    "deepseek_v32": {**MLA, "index_topk": 8, "index_n_heads": 2, "index_head_dim": 16},  # DSA: a sparse indexer
+    "glm_moe_dsa": {**MLA, "index_topk": 8, "index_n_heads": 2, "index_head_dim": 16},
+    "qwen4_exp_text": {**MOE, **GDN, "layer_types": ["linear_attention", "indexed_attention"] * 2, "hc_lowrank": 16,
+                       "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 4},  # QSA
 }
 CP_CELLS = {"ring": ("ring", False), "ulysses": ("ulysses", False), "ring, packed": ("ring", True),
             "ulysses, packed": ("ulysses", True)}
@@ -326,6 +337,10 @@ def short(cell: dict) -> str:
     text = cell["message"]
     if "which cptune does not split over tp" in text:
         return "refused: token mixing under tp"
+    if "first-step check" in text:  # a family cptune has not proven, found wrong on the ranks
+        return "refused: first-step check"
+    if "sparse-attention indexer" in text:
+        return "refused: sparse-attention indexer"
     if "mixes tokens outside attention" in text:
         kinds = sorted(set(re.findall(r"a (\w+) over \d+ positions", text))
                        | set(re.findall(r"config.layer_types '(\w+)'", text)))
@@ -376,6 +391,20 @@ def documented(version: str) -> str | None:
     return text.split(begin, 1)[1].split(end, 1)[0].strip()
 
 
+def proven(matrix: dict[str, dict[str, dict]]) -> list[str]:
+    """The families exact in every CP cell: what ``cptune.hf``'s first-step check takes as proven."""
+    return sorted(f for f, cells in matrix.items() if all(cells[c]["status"] == "exact" for c in CP_CELLS))
+
+
+def write_proven(matrix: dict[str, dict[str, dict]], version: str) -> None:
+    """``cptune/_proven.json``'s list for ``version``'s major release, from this run."""
+    from cptune._hf_check import PROVEN_FILE
+
+    data = json.loads(PROVEN_FILE.read_text()) if PROVEN_FILE.exists() else {}
+    data[version.split(".", 1)[0]] = proven(matrix)
+    PROVEN_FILE.write_text(json.dumps(dict(sorted(data.items(), reverse=True)), indent=1) + "\n")
+
+
 def update_docs(text: str, version: str) -> None:
     begin, end = _markers(version)
     doc = DOC.read_text()
@@ -410,6 +439,7 @@ def main(argv: list[str]) -> int:
                                "matrix": matrix}, indent=1, default=str))
     if "--update-docs" in argv:
         update_docs(text, transformers.__version__)
+        write_proven(matrix, transformers.__version__)
     return 1 if bad else 0
 
 

@@ -18,6 +18,8 @@ Main API:
 - :func:`head_loss`: the next-token loss through an LM head without the whole logits (vocabulary-parallel under tp).
 - :func:`parallelize`: a plain PyTorch model split by tensor parallelism (sequence parallel on the residual stream),
   checkpointed and compiled, then sharded by FSDP2 over the named mesh, in torchtitan's order.
+- :func:`check`: the first-step check of a plain model's step: run as one process and split over cp, outputs and
+  gradients compared, before training it (``cptune.hf.enable`` does it for transformers families cptune has not proven).
 - :func:`tune`: measure configurations on real ranks, return the fastest that fits in memory (``cptune.search``
   is its subpackage: settings, results, storage; calling it is the deprecated spelling of ``tune``).
 - :func:`init_rank` / :func:`close_rank`: the start and end of a training process under python or torchrun.
@@ -38,6 +40,7 @@ from .context import CPTuneWarning, context_parallel, num_items_in_batch, replic
     unshard
 from .errors import CPTuneError, Problem, ValidationError
 from .mesh import ParallelDims
+from .verify._step import check
 from ._head import head_loss
 from ._parallelize import parallelize
 from ._rank import close_rank, init_rank
@@ -59,6 +62,7 @@ __all__ = [
     "ULYSSES_OPS",
     "ValidationError",
     "Workload",
+    "check",
     "close_rank",
     "context_parallel",
     "documents_from_cu_seqlens",

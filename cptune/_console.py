@@ -70,6 +70,8 @@ def print_result(result) -> None:
     click.echo(f"({result.LEGEND})")
     if result.plan_note():
         click.echo(f"plan: {result.plan_note()}")
+    if result.check:
+        click.echo(f"check: {result.check}")
     best = result.best
     if best is not None:
         click.echo(f"\nbest: {best.label}  {format_rate(best.tokens_per_s)} tokens/s")

@@ -118,9 +118,16 @@ def _whole_forward(module: nn.Module, forward, *args: Any, **kwargs: Any) -> Any
         return by_document(session, forward, hidden, kwargs)
     group, layout, rank = session.group, session.layout, session.cp_rank
     whole = GatherSequence.apply(hidden, 1, group, layout, rank)
-    kwargs = _map_sequence(kwargs, local, lambda t: A.gather(t.detach(), 1, group, layout))
-    out = by_document(session, forward, whole, kwargs)
+    out = by_document(session, forward, whole, gather_inputs(kwargs, local, group, layout, rank))
     return _map_sequence(out, whole.shape[1], lambda t: A.shard(t, 1, layout, rank))
+
+
+def gather_inputs(kwargs: dict[str, Any], local: int, group, layout, rank: int) -> dict[str, Any]:
+    """A layer's other sequence inputs (``local`` tokens long) gathered whole too, the gradients of those that need one
+    returned as the hidden states' are (Zamba2's Mamba layer adds the shared transformer's output, which trains
+    through it)."""
+    return _map_sequence(kwargs, local, lambda t: GatherSequence.apply(t, 1, group, layout, rank)
+                         if t.requires_grad else A.gather(t.detach(), 1, group, layout))
 
 
 def _arg_names(forward) -> list[str]:

@@ -3,7 +3,6 @@ implementation, the forward pre-hook's checks, packed documents and windows as t
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Iterable
 from typing import Any
@@ -12,9 +11,9 @@ import torch
 import torch.nn as nn
 
 from .attention import documents_from_cu_seqlens, packed_documents
-from . import _paths
-from ._head import head_of, loss_sum
-from ._mixers import cp_problems, model_coverage
+from . import _families, _paths
+from ._hf_check import CHECK_MODES, check_in_block
+from ._mixers import cp_problems, layer_kinds, model_coverage
 from ._loss import IGNORE_INDEX
 from ._session import active
 from .context import scaled_dot_product_attention
@@ -32,6 +31,14 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     raise_if([Problem(name, f"is set: {what} cannot run under cptune's SDPA attention",
                       "train this model without it, or without context parallelism")
               for name, what in _UNSUPPORTED.items() if kwargs.get(name) is not None])
+    session = active()
+    if session is not None and session.cp > 1 and attention_mask is not None and _masks_some(attention_mask):
+        raise_if([Problem("attention_mask", f"is a {tuple(attention_mask.shape)} mask that {type(module).__name__}'s "
+                          f"model built itself for this rank's {query.shape[2]} tokens (not through transformers' "
+                          "mask functions, which cptune stands in for inside a block); it cannot apply across CP "
+                          "ranks", "train this model with cp=1, or with a transformers release whose modeling code "
+                          "builds this family's masks with transformers' masking_utils (5.25 does for every family "
+                          "of cptune's support matrix)")])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and attention_mask is None and query.shape[2] > 1
     window = kwargs.get("sliding_window")
@@ -40,12 +47,28 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                             "cptune applies sliding windows of causal layers only")])
         window = (int(window) - 1, 0)  # transformers: kv_idx > q_idx - sliding_window
     documents = None
-    if active() is None and attention_mask is None and kwargs.get("position_ids") is not None:
+    if session is None and attention_mask is None and kwargs.get("position_ids") is not None:
         documents = packed_documents(kwargs["position_ids"])
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                                        is_causal=causal, enable_gqa=key.shape[1] != query.shape[1],
-                                       window=window, documents=documents)
+                                       window=window, documents=documents, chunk=layer_chunk(module))
     return out.transpose(1, 2).contiguous(), None
+
+
+@torch.compiler.disable
+def _masks_some(mask: torch.Tensor) -> bool:
+    """Whether an attention mask hides anything (a bool mask with a False, an additive one with a non-zero)."""
+    return not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.any())
+
+
+def layer_chunk(module: nn.Module) -> int | None:
+    """The chunk an attention layer keeps to (Llama 4's ``chunked_attention`` layers: ``attention_chunk_size``
+    tokens, block-diagonal), or None. transformers builds that mask for its own implementations only."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    kinds = layer_kinds(config) if config is not None and isinstance(index, int) else None
+    if not kinds or index >= len(kinds) or kinds[index] != "chunked_attention":
+        return None
+    return getattr(getattr(config, "get_text_config", lambda: config)(), "attention_chunk_size", None)
 
 
 def _register() -> None:
@@ -113,6 +136,8 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
                                 "as a buffer, then call the model with shift_labels=labels (not labels=)"))
     raise_if(problems)
     _packed_documents(session, given)
+    if session.cp > 1 and not getattr(module, "_cptune_checking", False):
+        check_in_block(module, session)  # a family the matrix has not proven: run whole and split, compared
     shifted = kwargs.get("shift_labels")
     if shifted is not None:
         kwargs = dict(kwargs)
@@ -124,75 +149,40 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
     return args, kwargs
 
 
-def enable(model: nn.Module, token_wise: Iterable[type | str] = ()) -> nn.Module:
+def enable(model: nn.Module, token_wise: Iterable[type | str] = (), check: str | None = None,
+           check_tokens: int | None = None) -> nn.Module:
     """Make a transformers model CP-ready (attention inside blocks, checks, the loss divisor); returns the model.
 
     Inside a block of cp > 1, a model with layers that mix tokens outside softmax attention (convolutions over the
     sequence, recurrent, state-space and linear-attention layers, ``config.layer_types`` entries that are not
     attention; :mod:`cptune._mixers`) is refused by name at its first forward, before any collective.
-    ``token_wise``: module classes (or class names) you vouch for as per-token, which that rule cannot tell."""
+    ``token_wise``: module classes (or class names) you vouch for as per-token, which that rule cannot tell.
+    ``check``: the first-step check (:mod:`cptune._hf_check`) at the first forward of each configuration: ``"auto"``
+    (the default) for a family the support matrix has not proven, ``"always"``, or ``"never"``; ``check_tokens``:
+    its sequence length (default: twice the longest reach the config states, within 4096)."""
+    raise_if([Problem("check", f"is {check!r}", f"use one of {', '.join(CHECK_MODES)}")]
+             if check is not None and check not in CHECK_MODES else [])
+    raise_if([Problem("check_tokens", f"is {check_tokens!r}", "give a positive number of tokens, or None")]
+             if check_tokens is not None and (not isinstance(check_tokens, int) or check_tokens < 1) else [])
+    if check is not None:
+        model._cptune_check = check
+    if check_tokens is not None:
+        model._cptune_check_tokens = check_tokens
     _register()
     vouched = {*getattr(model, "_cptune_token_wise", ()), *(t if isinstance(t, str) else t.__name__ for t in token_wise)}
     model._cptune_token_wise = vouched  # a later enable (cptune.models, the Trainer) keeps what the user vouched for
+    _families.adapt(model)  # a family's own reading of the shard's positions, fixed from outside
     blocks, model._cptune_mixers = model_coverage(model, vouched)  # the blocks exact by the generic path
     for block in blocks.values():  # split paths where cptune has one for the layer, else the generic path
         _paths.prepare(block)
     if not getattr(model, "_cptune_hook", None):
         current = getattr(model.config, "_attn_implementation", None)
         model._cptune_outside = current if current not in (None, ATTN_IMPLEMENTATION) else "sdpa"
-        model._cptune_hook = model.register_forward_pre_hook(_check_call, with_kwargs=True)
+    else:
+        model._cptune_hook.remove()
+    # first among the model's pre-hooks, FSDP2's included (it prepends its own when it wraps the model): the
+    # first-step check runs whole forwards and backwards of the model, which must come before FSDP2 gathers the
+    # root's parameters for the step (enable again after wrapping the model yourself)
+    model._cptune_hook = model.register_forward_pre_hook(_check_call, with_kwargs=True, prepend=True)
     _set_implementation(model, ATTN_IMPLEMENTATION)
     return model
-
-
-def _head_forward(model: nn.Module, forward, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head's forward: while :func:`causal_lm_loss` asks, the chunked loss of ``hidden`` kept for it and
-    empty logits returned (no vocabulary dim: nothing the model does to them afterwards costs anything)."""
-    request = model.__dict__.get("_cptune_loss_request")
-    if request is None:
-        return forward(hidden)
-    head = model.get_output_embeddings()
-    request["loss"], request["path"] = loss_sum(hidden, head.weight, request["labels"], model._cptune_head,
-                                                bias=getattr(head, "bias", None), ignore_index=request["ignore_index"],
-                                                path=request["path"], group=getattr(head, "_cptune_tp_group", None))
-    # empty, yet made from the loss: a caller that walks the graph from the model's outputs (DDP finding unused
-    # parameters) reaches every parameter the loss used
-    return request["loss"].reshape(1, 1, 1).expand(*hidden.shape[:-1], 0)
-
-
-def causal_lm_loss(model: nn.Module, input_ids: torch.Tensor, shift_labels: torch.Tensor,
-                   num_items_in_batch: torch.Tensor | float | None = None, ignore_index: int = IGNORE_INDEX,
-                   whole: bool = False, **inputs: Any) -> torch.Tensor:
-    """A causal LM's next-token loss, as ``model(input_ids=..., shift_labels=..., **inputs).loss`` gives it, without
-    the whole logits (the chunked loss of :mod:`cptune._head`); in a block or out of one. ``shift_labels``: the
-    targets shifted over the whole sequence before sharding (:func:`cptune.shift_labels`); the loss is their summed
-    token losses over ``num_items_in_batch`` (default: inside a block the exact count over every rank, as the
-    pre-hook gives transformers; outside one the valid targets of this call). A model whose head cptune cannot chunk
-    exactly (its forward does more to the logits than scale or softcap them) takes its own whole-logits loss, and
-    ``model._cptune_loss_path`` says so, as it says which chunked path ran ("torch", "cptune", and under tensor
-    parallelism "vocab-parallel"). ``whole``: the model's own loss from the whole logits, asked for (``cptune search
-    --loss whole`` and its recipe)."""
-    inner = getattr(model, "module", model)  # DDP's wrapper: the head is its module's
-    head = inner.__dict__.get("_cptune_head")
-    if head is None:
-        head = inner._cptune_head = head_of(inner)
-        output = inner.get_output_embeddings()
-        if not isinstance(head, str) and not getattr(output, "_cptune_chunked", False):
-            output.forward = functools.partial(_head_forward, inner, output.forward)
-            output._cptune_chunked = True
-    if isinstance(head, str) or whole:
-        inner._cptune_loss_path = f"whole logits: {head}" if isinstance(head, str) else "whole logits (asked)"
-        return model(input_ids=input_ids, labels=shift_labels, shift_labels=shift_labels,
-                     num_items_in_batch=num_items_in_batch, ignore_index=ignore_index, **inputs).loss
-    session = active()
-    if num_items_in_batch is None:
-        num_items_in_batch = session.num_items_in_batch(shift_labels, ignore_index, "all") if session is not None \
-            else (shift_labels != ignore_index).sum()
-    request = {"labels": shift_labels, "ignore_index": ignore_index, "path": None}
-    inner._cptune_loss_request = request
-    try:
-        model(input_ids=input_ids, use_cache=False, **inputs)
-    finally:
-        del inner._cptune_loss_request
-    inner._cptune_loss_path = request["path"]
-    return request["loss"] / num_items_in_batch

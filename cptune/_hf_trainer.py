@@ -33,7 +33,8 @@ import torch.distributed as dist
 import transformers
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ._hf import causal_lm_loss, enable
+from ._hf import enable
+from ._hf_loss import causal_lm_loss
 from .attention import packed_documents
 from ._loss import IGNORE_INDEX, shift_labels
 from .config import ConfigLike

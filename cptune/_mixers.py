@@ -12,7 +12,9 @@ embedding (it reads the position ids the block shards), an MoE router or experts
   ``conv``, ``mamba``, ``hybrid``...; ``mlp`` and ``moe`` layers are per-token), even where every module in it
   looks per-token (a linear attention computes its recurrence inline);
 * a leaf module of a kind none of the above recognizes: cptune cannot tell whether it mixes tokens, so it says so
-  instead of waving it through (``token_wise=`` vouches for a class that is per-token).
+  instead of waving it through (``token_wise=`` vouches for a class that is per-token);
+* a sparse-attention indexer (transformers' ``...Indexer``: DeepSeek-V3.2's and GLM-5's DSA, Qwen4-Exp's QSA), which
+  scores every key of the sequence outside SDPA to pick each query's keys: no path makes it exact, so it is refused.
 
 Under cp > 1 each rank would run these on its shard alone: the recurrence or convolution restarts at every shard
 boundary and the gradients are silently wrong. :func:`covered` finds the module of a decoder layer that holds each
@@ -37,6 +39,9 @@ _PER_TOKEN_MODULES = ("torch.nn.modules.activation", "transformers.activations")
 _PER_TOKEN_NAME = re.compile(r"(Norm|NormGated|Activation|Act|RotaryEmbedding|Router|Experts?|Embedding|Embeddings)$")
 """transformers' names for per-token modules: ``LlamaRMSNorm``, ``Qwen3NextRMSNormGated``, ``SiLUActivation``,
 ``LlamaRotaryEmbedding``, ``MixtralTopKRouter``, ``GptOssExperts``, ``Gemma3TextScaledWordEmbedding``."""
+_SELECTS_KEYS = re.compile(r"Indexer$")
+"""transformers' names for a sparse-attention indexer: ``DeepseekV32Indexer``, ``GlmMoeDsaIndexer``,
+``Qwen4ExpTextQSAIndexer``."""
 _PER_TOKEN_KINDS = re.compile(r"^(mlp|moe|ffn|dense|expert|experts)$")
 """``layer_types`` kinds that name a feed-forward layer (Nemotron-H's ``mlp`` and ``moe``)."""
 
@@ -85,6 +90,9 @@ class Mixer:
     path: str
     kind: str
     why: str
+    coverable: bool = True
+    """Whether a decoder layer's child holding it can run it whole (:func:`covered`): not for a module cptune cannot
+    tell about, nor for a sparse-attention indexer (it selects keys for attention inside the same child)."""
 
 
 def token_mixers(model: nn.Module, config=None, layers: list[nn.Module] | None = None,
@@ -94,15 +102,24 @@ def token_mixers(model: nn.Module, config=None, layers: list[nn.Module] | None =
     the caller vouches for as per-token."""
     vouched = {t if isinstance(t, str) else t.__name__ for t in token_wise}
     found: list[Mixer] = []
+    indexers: list[str] = []
     for path, module in model.named_modules():
-        if any(True for _ in module.children()) or type(module).__name__ in vouched:
+        name = type(module).__name__
+        if name in vouched or any(path.startswith(f"{i}.") for i in indexers):
+            continue
+        if _SELECTS_KEYS.search(name):
+            indexers.append(path)
+            found.append(Mixer(path, name, f"a {name}: a sparse-attention indexer, which scores every key of the "
+                               "sequence outside SDPA to choose each query's keys", coverable=False))
+            continue
+        if any(True for _ in module.children()):
             continue
         why = _mixing_leaf(module)
         if why == "unknown":
-            why = (f"a {type(module).__qualname__} (from {type(module).__module__}), a module cptune cannot tell is "
-                   "per-token")
-        if why is not None:
-            found.append(Mixer(path, type(module).__name__, why))
+            found.append(Mixer(path, name, f"a {type(module).__qualname__} (from {type(module).__module__}), a module "
+                               "cptune cannot tell is per-token", coverable=False))
+        elif why is not None:
+            found.append(Mixer(path, name, why))
     kinds = layer_kinds(config if config is not None else getattr(model, "config", None)) or []
     if layers and kinds:
         paths = {id(m): p for p, m in model.named_modules()}
@@ -117,7 +134,10 @@ def decoder_layers(model: nn.Module, required: bool = True) -> list[nn.Module]:
     """The model's repeated blocks (transformers names their class in ``_no_split_modules``; FSDP2's subclass of it
     counts), in order; none found is an error when ``required``."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if names.intersection(c.__name__ for c in type(m).__mro__)]
+    found = [(p, m) for p, m in model.named_modules() if names.intersection(c.__name__ for c in type(m).__mro__)]
+    # outermost only: a layer class nested in another (Zamba2's hybrid layer holds a Mamba layer) is part of it
+    outer = [p for p, _ in found]
+    layers = [m for p, m in found if not any(p.startswith(f"{o}.") for o in outer if o != p)]
     if not layers and required:
         raise ValidationError([Problem("model", f"{type(model).__name__} names no decoder layer class "
                                        "(_no_split_modules)", "use a transformers causal LM")])
@@ -157,7 +177,7 @@ def covered(model: nn.Module, mixers: list[Mixer], layers: list[nn.Module]) -> t
             continue
         owner = next((lp for lp in layer_paths if m.path.startswith(f"{lp}.")), None)
         child = m.path[len(owner) + 1:].split(".", 1)[0] if owner is not None else ""
-        if "cannot tell" in m.why or owner is None or f"{owner}.{child}" == m.path:
+        if not m.coverable or owner is None or f"{owner}.{child}" == m.path:
             left.append(m)
             continue
         blocks[f"{owner}.{child}"] = model.get_submodule(f"{owner}.{child}")

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import gc
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import sdpa_kernel
 
 from . import _loss, _torch_cp
 from . import attention as A
+from ._meshes import _MESHES
 from .config import CPConfig
 from .mesh import ParallelDims, data_groups, data_rank
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
@@ -26,42 +25,7 @@ from ._validate import BufferPlan, check_buffers, transport_problems
 LATE_PACKING_IMBALANCE = 1.1
 """Documents a model brings after the block dealt its tokens head-tail: warn past this imbalance (max / mean)."""
 
-_MESHES: dict[tuple, DeviceMesh] = {}  # meshes cptune built, reused: building one is a collective
 _ACTIVE: list[_Session] = []  # sessions inside a with-block / decorated call, innermost last
-
-
-def release_groups() -> None:
-    """Forget every mesh and group cptune built, so that nothing of cptune's keeps a process group alive,
-    and empty DTensor's sharding caches, which hold the meshes of every DTensor op an FSDP2 model ran.
-
-    A gloo group's C++ object outlives :func:`torch.distributed.destroy_process_group` while anything still
-    refers to it (these caches did), and is then freed during interpreter finalization: its worker thread,
-    dropping its last finished work, needs the GIL of an interpreter being torn down and aborts the
-    process ("terminate called without an active exception"). Freed here, its threads are joined while
-    the interpreter is alive. Also called at exit, so a script that destroys its own group is covered."""
-    _MESHES.clear()
-    A.release_groups()
-    _torch_cp.clear_sharding_caches()
-    gc.collect()
-
-
-atexit.register(release_groups)
-
-
-def world_mesh(device_type: str) -> DeviceMesh:
-    """A 1-D mesh over every rank (FSDP2 over the flattened dp x cp ranks), built once per process group."""
-    key = (device_type, "world", id(dist.group.WORLD))
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_cp",))
-    return _MESHES[key]
-
-
-def model_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The mesh a model's parameters live on (:meth:`ParallelDims.model_mesh`), built once per process group."""
-    key = (device_type, "model", dims, id(dist.group.WORLD))
-    if key not in _MESHES:
-        _MESHES[key] = dims.model_mesh(device_type)
-    return _MESHES[key]
 
 
 def active() -> _Session | None:
@@ -314,6 +278,13 @@ class _Session:
                           "as a dict with the position ids under 'position_ids', or documents="
                           "cptune.documents_from_position_ids(position_ids)) to deal them by work", CPTuneWarning,
                           stacklevel=2)
+
+    def local_positions(self) -> torch.Tensor:
+        """(B or 1, this rank's tokens): where each token this rank holds sits in its document (in the row when
+        nothing is packed), in the rank's local order; what a model's ``arange`` over its tokens means to say."""
+        seq = self.plan.seq_len
+        within = A.positions_in_documents(self.documents, seq)
+        return within[:, self.layout.indices(seq, self.cp_rank)] if self.cp > 1 else within
 
     def full_tensor(self, shard: torch.Tensor) -> torch.Tensor | None:
         """The whole-sequence tensor whose shard this is, if it is one of the block's buffers (no communication)."""

@@ -30,20 +30,39 @@ def tp_degrees(world_size: int, per_node: int, max_tp: int | None = None) -> tup
     return tuple(t for t in range(1, node + 1) if node % t == 0 and world_size % t == 0 and t <= (max_tp or node))
 
 
+def transformers_missing() -> bool:
+    """Whether transformers cannot be imported: a ``--model`` is then read from its config.json's fields alone, and
+    neither its family's TP plan nor its layer rule (which layers mix tokens outside attention) can be read."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
 def model_limits(workload: Workload, degrees: tuple[int, ...]) -> tuple[tuple[int, ...], str | None, str | None]:
     """What a ``--model`` workload's model can train under: (those of ``degrees`` its TP plan can split, why it cannot
     take cp > 1 or None, what cptune's generic path runs whole on every rank under cp > 1 -- '3 x
     Qwen3NextGatedDeltaNet' -- or None), by :func:`cptune.models.tp_problems`, :func:`cptune.models.cp_problems` and
-    :func:`cptune.models.whole_layers` on one model made on the meta device; the one rule the search's space and
-    ``cptune plan`` both apply, so neither proposes what the training script refuses."""
+    :func:`cptune.models.whole_layers` on one model made on the meta device, every tensor there (nothing allocated,
+    whatever its size); the one rule the search's space and ``cptune plan`` both apply, so neither proposes what the
+    training script refuses. Without transformers (:func:`transformers_missing`) nothing of the family can be read:
+    tp = 1 only, and nothing refused or run whole."""
     if workload.model is None:
         return degrees, None, None
+    if transformers_missing():
+        return tuple(t for t in degrees if t == 1), None, None
     from collections import Counter
 
     from . import models
 
+    from .plan._experts import fewer_experts
+
     config = models.load_config(workload.model, workload.model_overrides)
-    model = models._empty_model(config)
+    fewer = fewer_experts(config.to_dict())  # the same modules, made in a moment
+    if fewer:
+        config = models.load_config(workload.model, {**(workload.model_overrides or {}), **fewer})
+    model = models._empty_model(config, structure_only=True)
     refused = models.cp_problems(config, 2, "model", model)
     kinds = Counter(models.whole_layers(config, model).values())
     return (tuple(t for t in degrees if not models.tp_problems(config, t, model=model)),
@@ -59,7 +78,7 @@ def mixer_choices(workload: Workload) -> tuple[str, ...]:
         return ()
     from . import _mixers, _paths, models
 
-    model = models._empty_model(models.load_config(workload.model, workload.model_overrides))
+    model = models._empty_model(models.load_config(workload.model, workload.model_overrides), structure_only=True)
     return ("split", "whole") if any(_paths.splits(m) for m in _mixers.model_coverage(model)[0].values()) else ()
 
 

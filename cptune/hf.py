@@ -45,7 +45,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._hf import ATTN_IMPLEMENTATION, attention_forward, causal_lm_loss, enable
+from ._hf import ATTN_IMPLEMENTATION, attention_forward, enable
+from ._hf_check import check
+from ._hf_loss import causal_lm_loss
 
 
 def __getattr__(name: str) -> Any:
@@ -56,4 +58,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'cptune.hf' has no attribute {name!r}")
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "Trainer", "attention_forward", "causal_lm_loss", "enable"]  # noqa: F822 - Trainer: __getattr__
+__all__ = ["ATTN_IMPLEMENTATION", "Trainer", "attention_forward", "causal_lm_loss", "check", "enable"]  # noqa: F822 - Trainer: __getattr__

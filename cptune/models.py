@@ -286,6 +286,8 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
         P.split_sequence(layers, tp_mesh)
         P.vocabulary_over(model, tp_mesh)
     P.parallelize_unit(model, None, None, shard)
+    if getattr(model, "_cptune_hook", None):
+        enable(model)  # cptune's pre-hook first again, before the one FSDP2 put in front
     if weights is not None:
         _weights.load_weights(model, weights, tensors)
     if fsdp_mesh is None and dtype != torch.float32:
@@ -293,17 +295,24 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     return model
 
 
-def _empty_model(config) -> nn.Module:
-    """``config``'s causal LM, its parameters on the meta device, its buffers made."""
+def _empty_model(config, structure_only: bool = False) -> nn.Module:
+    """``config``'s causal LM, its parameters on the meta device, its buffers made. ``structure_only``: every tensor
+    made on the meta device, buffers too (nothing allocated, whatever the model's size: a DeepSeek-V3's experts), for
+    the rules that read only its modules (:func:`cptune._space.model_limits`)."""
     transformers = _transformers("model")
-    with _parameters_on_meta():
+    with torch.device("meta") if structure_only else _parameters_on_meta():
         try:
             return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                                  dtype=torch.float32)
         except RuntimeError as exc:  # an _init_weights that assigns .data (Bamba's on 4.56) fails on the meta device
+            from ._deps import version_tuple  # the fix never names the release already installed
+
+            fix = "pip install -U transformers (verified: 5.25)" if version_tuple(transformers.__version__) < \
+                (5, 25, 0) else "report the config to cptune (this is the release it verified); cptune plan " \
+                "--model plans it from the config's fields without building it"
             raise ValidationError([Problem("model", f"{type(config).__name__}: transformers {transformers.__version__}"
                                            f" cannot build it on the meta device ({str(exc).splitlines()[0][:160]})",
-                                           "pip install -U transformers (verified: 5.25)")]) from None
+                                           fix)]) from None
         except ValueError as exc:  # e.g. 'Gemma2ForCausalLM does not support an attention implementation through SDPA'
             if "attention implementation" not in str(exc):
                 raise
@@ -357,7 +366,7 @@ def prepare_for_training(model: nn.Module, ac: str = "none", compile: bool = Fal
     layers = decoder_layers(model)
     P.parallelize_layers(model, layers, tp_mesh, P.layer_plan(model.config, layers) if tp_mesh is not None else None,
                          shard, keep_shards=_tp_shards.applies(ac, compile))
-    return model
+    return enable(model)  # cptune's pre-hook first again, before the one FSDP2 put in front
 
 
 def _prepare(model: nn.Module, ac: str, compile: bool) -> None:

@@ -164,3 +164,26 @@ def test_a_checkpointing_mode_is_not_run_once_one_that_recomputes_less_fits(tmp_
     every = search("2.5GiB", study="tight", exhaustive=True)  # every dominated one measured now
     assert sorted(measured_since(n)) == sorted(k.replace("-ac-none", "-ac-full") for k in measured)
     assert every.evaluated_now == 6 and all(r.state == "ok" for r in every.trials if r.ac == "full")
+
+
+def test_the_search_prices_an_moe_model_by_every_expert_and_its_flops_by_the_active_ones(tmp_path):
+    """A --model search's memory model is the plan's (the driver prunes on the guide's predicted peak): an MoE's
+    parameters, gradients and optimizer state hold every expert, its FLOPs count the top-k a token goes through."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "tie_word_embeddings": False}))
+    w = cptune.Workload(seq_len=256, model=str(folder), heads=4, kv_heads=2, head_dim=16, layers=2)
+    guide = Guide(w, "cpu", "cpu", 2, budget=2**34, baseline=0)
+    dims = guide.dims
+    assert dims.experts is not None and dims.params - dims.active_params == 2 * (8 - 2) * 3 * 64 * 32
+    config = config_from({"mesh": "1x2", "rotate_method": "alltoall", "sdpa_backend": "flash", "load_balance": True})
+    moe = guide.raw("moe", config, "none")
+    assert moe.memory["parameters"] == 4 * dims.params // 2 and moe.memory["optimizer"] == 8 * dims.params // 2
+    dense = Guide(w, "cpu", "cpu", 2, budget=2**34, baseline=0)
+    dense.dims = dims.model_copy(update={"experts": None, "ffn": 8 * 32})  # every expert's width as one MLP
+    assert dense.dims.params == dims.params - 2 * 8 * 64  # the same parameters, less the routers
+    as_dense = dense.raw("dense", config, "none")
+    assert moe.time["dense"] < as_dense.time["dense"] and moe.peak_bytes < 1.1 * as_dense.peak_bytes

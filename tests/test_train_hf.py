@@ -46,8 +46,10 @@ def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_che
                                                    ac="selective"), (2, 2))
     run([sys.executable, SCRIPT, "--model", str(MODEL), "--seq-len", "128", "--batch", "2", "--documents", "longtail",
          "--steps", "3", "--losses-out", "one.json"], tmp_path)
-    run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "2", "--checkpoint-dir", "ck", "--losses-out",
-         "a.json"], tmp_path)
+    first = run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "2", "--checkpoint-dir", "ck", "--losses-out",
+                 "a.json", "--check", "always"], tmp_path)  # the first-step check up front: the same losses after it
+    assert "cptune first-step check of LlamaForCausalLM (llama) under dp2·cp2" in first.stdout \
+        and "packed, float32): exact;" in first.stdout, first.stdout
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-2"]  # whole, no .partial left
     run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "3", "--checkpoint-dir", "ck", "--resume",
          "--losses-out", "b.json"], tmp_path)
@@ -57,7 +59,9 @@ def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_che
     # the same recipe launched as tp2·cp2 (the model split by its own TP plan, FSDP2 over cp): the same losses,
     # its tensor-parallel checkpoint resumed
     tp = ["config.mesh_shape=[1,1,2,2]", "--", SCRIPT, "--batch", "2", "--checkpoint-dir", "tp"]
-    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "2", "--losses-out", "c.json"], tmp_path)
+    first = run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "2", "--losses-out", "c.json",
+                 "--check", "always"], tmp_path)
+    assert "under dp1·cp2·tp2" in first.stdout and "exact;" in first.stdout, first.stdout
     run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "3", "--resume", "--losses-out",
          "d.json"], tmp_path)
     c, d = losses(tmp_path / "c.json"), losses(tmp_path / "d.json")
@@ -103,6 +107,17 @@ def test_search_a_model_then_launch_its_recipe_compiled(tmp_path):
     one, cp = losses(tmp_path / "one.json"), losses(tmp_path / "cp.json")
     assert cp["world"] == 2 and max(abs(x - y) for x, y in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
     assert w.loss == "chunked" and cp["loss"] in ("torch", "cptune")  # the loss the search measured
+
+
+def test_a_model_search_checks_a_family_the_matrix_has_not_proven_once_before_it_measures(tmp_path):
+    config = transformers.CONFIG_MAPPING["helium"](vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=16)
+    config.save_pretrained(tmp_path / "helium")
+    found = run([sys.executable, "-m", "cptune", "search", "--model", "helium", "--seq-len", "64", "--nproc", "2",
+                 "--memory-budget", "4GiB", "--min-seconds", "0.05", "--n-trials", "1", "--json"], tmp_path)
+    check = json.loads(found.stdout)["check"]
+    assert "first-step check of HeliumForCausalLM (helium) under dp1·cp2" in check and ": exact;" in check, check
 
 
 def test_a_model_search_with_max_tp_measures_the_model_split_by_tensor_parallelism(tmp_path):

@@ -14,9 +14,9 @@ uses; the package is internal (the public ones are re-exported by ``cptune``).
 
 from ._attend import RING_ATTENTION_OPS, Setup, attend, ring_positions
 from ._blocks import needs
-from ._documents import as_rows, check_window, dense_mask, document_problems, documents_from_cu_seqlens, \
+from ._documents import as_rows, check_window, chunked, dense_mask, document_problems, documents_from_cu_seqlens, \
     documents_from_eos, documents_from_lengths, documents_from_position_ids, lengths_from_spec, \
-    packed_documents, read_spec, token_work, work_chunks
+    packed_documents, positions_in_documents, read_spec, token_work, work_chunks
 from ._hooks import ForwardRecord, recording
 from ._kernels import RING_BACKENDS, SDPA_BACKENDS, SDPA_KERNELS, backend_problem, default_backends, pick_backend
 from ._routing import Route, SDPAMode, patched_sdpa, unwrap
@@ -25,9 +25,9 @@ from ._ulysses import ULYSSES_OPS, hybrid_groups, kv_replication, release_groups
 
 __all__ = [
     "ForwardRecord", "Layout", "RING_ATTENTION_OPS", "RING_BACKENDS", "Route", "SDPAMode", "SDPA_BACKENDS",
-    "SDPA_KERNELS", "Setup", "ULYSSES_OPS", "as_rows", "attend", "backend_problem", "check_window",
+    "SDPA_KERNELS", "Setup", "ULYSSES_OPS", "as_rows", "attend", "backend_problem", "check_window", "chunked",
     "default_backends", "dense_mask", "document_problems", "documents_from_cu_seqlens", "documents_from_eos",
     "documents_from_lengths", "documents_from_position_ids", "gather", "hybrid_groups", "kv_replication",
-    "lengths_from_spec", "needs", "packed_documents", "patched_sdpa", "pick_backend", "read_spec", "recording",
+    "lengths_from_spec", "needs", "packed_documents", "patched_sdpa", "pick_backend", "positions_in_documents", "read_spec", "recording",
     "release_groups", "ring_positions", "shard", "token_work", "unwrap", "work_chunks",
 ]

@@ -89,15 +89,20 @@ def ring_positions(layout: Layout, seq_len: int | None) -> torch.Tensor | None:
 
 
 def attend(s: Setup, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-           enable_gqa=False, *, window: Any = "block", documents: Any = "block") -> torch.Tensor:
+           enable_gqa=False, *, window: Any = "block", documents: Any = "block", chunk: int | None = None
+           ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's shards, as the block runs it.
 
     ``window`` / ``documents``: ``"block"`` takes the block's; None or False turns them off for this call.
+    ``chunk``: each document cut into chunks of this many tokens, attended within each chunk (Llama 4's chunked
+    layers).
     """
     window = s.window if window == "block" else _documents.check_window(window or None, "window")
     docs = s.documents if isinstance(documents, str) and documents == "block" else _call_documents(s, documents)
-    q, k, v = s.local(query), s.local(key), s.local(value)
     full = s.seq_len
+    if chunk is not None and full is not None and chunk < full:
+        docs = _documents.chunked(docs, full, chunk)
+    q, k, v = s.local(query), s.local(key), s.local(value)
     masked = docs is not None or window is not None
     call, problems = _forms.prepare(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=enable_gqa, scale=scale,

@@ -132,6 +132,33 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor | None
     return keep
 
 
+def positions_in_documents(documents: torch.Tensor | None, seq_len: int) -> torch.Tensor:
+    """(B or 1, S): each token's position inside its document (0 at every document's first token)."""
+    rows = as_rows(documents) if documents is not None else torch.zeros(1, seq_len, dtype=torch.int64)
+    index = torch.arange(rows.shape[-1])
+    starts = torch.ones_like(rows, dtype=torch.bool)
+    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+_CHUNKED: list[tuple[torch.Tensor | None, int, int, torch.Tensor]] = []  # the last few, for every layer of a step
+
+
+@torch.compiler.disable
+def chunked(documents: torch.Tensor | None, seq_len: int, chunk: int) -> torch.Tensor:
+    """Document ids cut into chunks of ``chunk`` tokens, counted from each document's start (Llama 4's chunked
+    attention: a token attends within its chunk only, block-diagonal like packed documents). (B or 1, S)."""
+    for docs, length, size, ids in _CHUNKED:
+        if docs is documents and length == seq_len and size == chunk:
+            return ids
+    rows = as_rows(documents) if documents is not None else torch.zeros(1, seq_len, dtype=torch.int64)
+    starts = torch.ones_like(rows, dtype=torch.bool)
+    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    ids = (starts | (positions_in_documents(rows, seq_len) % chunk == 0)).cumsum(-1)
+    _CHUNKED[:] = [(documents, seq_len, chunk, ids), *_CHUNKED[:3]]
+    return ids
+
+
 def dense_mask(documents: torch.Tensor | None, window: Window | None, causal: bool, seq_len: int,
                device: torch.device | str = "cpu") -> torch.Tensor:
     """The (B or 1, 1, S, S) bool mask these rules mean: for one device, and the reference in tests."""

@@ -41,12 +41,17 @@ _BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.gra
 
 
 class Route:
-    """Where the open block's SDPA calls go: its setup, which the block may replace (a later ``documents``)."""
+    """Where the open block's SDPA calls go: its setup, which the block may replace (a later ``documents``).
+    ``paused``: the block is set aside for a while (cptune's first-step check runs the model as one process inside
+    it), and its calls go to torch's own SDPA."""
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
+        self.paused = False
 
     def sdpa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.paused:
+            return SDPA(*args, **kwargs)
         return attend(self.setup, *args, **kwargs)
 
 
@@ -68,6 +73,8 @@ class SDPAMode(TorchFunctionMode):
         if FLEX is not None and func is FLEX:  # a plain exception: FlexAttention traces this call even in eager,
             raise CPTuneError(_FLEX_TEXT)  # and torch.compile wraps it (the block unwraps it)
         if func is SDPA:
+            if self.route.paused:
+                return func(*args, **kwargs)
             if not torch.compiler.is_compiling() and under_checkpoint():
                 raise_if([Problem(
                     "scaled_dot_product_attention", "was called through a reference bound before the block "
@@ -118,8 +125,9 @@ def patched_sdpa(route: Route) -> Iterator[None]:
             check_thread(owner)
         return route.sdpa(*args, **kwargs)
 
+    before = F.scaled_dot_product_attention  # torch's, or a block set aside beneath this one (the first-step check)
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = SDPA
+        F.scaled_dot_product_attention = before

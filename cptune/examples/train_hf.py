@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import cptune
+import cptune.hf
 from cptune import models
 from cptune._preflight import script_check
 from cptune.errors import Problem, ValidationError, raise_if
@@ -191,6 +192,11 @@ def resume(folder: Path, model, optimizer, scheduler) -> int:
 @click.option("--loss", type=options.OneOf(list(LOSS_MODES)), default=None,
               help="The loss in chunks, never the whole logits (vocabulary-parallel under tp), or the model's own "
                    "from the whole logits [default: the recipe's, else chunked].")
+@click.option("--check", type=options.OneOf(["auto", "always", "never"]), default="auto", show_default=True,
+              help="cptune's first-step check, up front: the model run as one process and split over cp, outputs and "
+                   "gradients compared (auto: a family the support matrix has not proven).")
+@click.option("--check-tokens", type=options.COUNT, default=None,
+              help="The check's sequence length [default: twice the longest reach the config states, within 4096].")
 @click.option("--fsdp/--no-fsdp", default=True, show_default=True,
               help="FSDP2 over every rank when launched on several (else gradients averaged by hand).")
 @click.option("--checkpoint-dir", type=options.FOLDER, default=None, help="Save checkpoints here (DCP).")
@@ -260,6 +266,10 @@ def train(args: SimpleNamespace) -> None:
     # any world size (seeded per layer), or the --model folder's safetensors read into each rank's shards
     model = models.build_model(args.hf_config, device, weights=args.path if args.weights else None,
                                fsdp_mesh=fsdp_mesh, ac=args.ac, compile=args.compile, cp=cp)
+    cptune.hf.enable(model, check=args.check, check_tokens=args.check_tokens)
+    report = cptune.hf.check(model, config=config, packed=bool(args.spec or args.data), seq_len=seq_len)
+    if report is not None and rank == 0:  # else a family the matrix has proven (or --check never)
+        print(report.line(), flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 

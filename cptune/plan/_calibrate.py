@@ -52,13 +52,14 @@ class Calibration:
                 + self.layer_overhead_s * p.time["layer_passes"])
 
     def apply(self, p: Prediction) -> Prediction:
-        """``p`` with its step time, tokens/s and peak memory as calibrated."""
+        """``p`` with its step time, tokens/s and memory as calibrated: each part the step adds to the baseline scaled
+        by the memory factor, the peak their sum (so the parts a row prints add up to its peak)."""
         step = self.step_s(p)
-        base = p.memory["baseline"]
-        peak = int(base + self.memory * (p.peak_bytes - base))
+        memory = {k: v if k == "baseline" else int(self.memory * v) for k, v in p.memory.items()}
         scale = p.step_s / step if step > 0 else 1.0
         return replace(p, step_s=step, tokens_per_s=p.tokens_per_s * scale,
-                       tokens_per_s_per_gpu=p.tokens_per_s_per_gpu * scale, peak_bytes=peak)
+                       tokens_per_s_per_gpu=p.tokens_per_s_per_gpu * scale, memory=memory,
+                       peak_bytes=sum(memory.values()))
 
     def describe(self) -> str:
         if not self.trials:

@@ -13,6 +13,8 @@ from .._files import read_json_object
 from ..config import StrictModel
 from ..errors import Problem, ProblemError, ValidationError
 from ..workload import Workload
+from ._experts import ExpertDims, LatentDims, attention_params, dense_width, experts_from_fields, \
+    latent_from_fields
 
 
 class MixerDims(StrictModel):
@@ -80,24 +82,35 @@ def mixer_from_fields(text: Mapping[str, Any]) -> MixerDims | None:
 
 class ModelDims(StrictModel):
     """A decoder-only transformer: ``layers`` blocks of attention (``heads`` query heads, ``kv_heads`` key/value
-    heads of ``head_dim``) and a gated MLP of width ``ffn``, with a ``vocab``-wide embedding and head.
-    ``attention_only``: the search's attention proxy (no projections, MLP or embedding). ``kv_expanded``: the
-    model repeats its key/value heads to the query heads before attention (torchtitan's Llama, ``repeat_kv``), so
-    attention and the ring carry and accumulate query-wide K and V; cptune's models and ``cptune.hf`` pass
-    ``enable_gqa`` instead."""
+    heads of ``head_dim``, values ``v_head_dim`` wide) and a gated MLP of width ``ffn``, with a ``vocab``-wide
+    embedding and head; a mixture of experts in place of the MLP in ``experts.layers`` of them. ``attention_only``:
+    the search's attention proxy (no projections, MLP or embedding). ``kv_expanded``: the model repeats its key/value
+    heads to the query heads before attention (torchtitan's Llama, ``repeat_kv``), so attention and the ring carry and
+    accumulate query-wide K and V; cptune's models and ``cptune.hf`` pass ``enable_gqa`` instead."""
 
     layers: int = Field(gt=0, json_schema_extra={"fix": "give --layers as a positive count"})
     hidden: int = Field(gt=0, json_schema_extra={"fix": "give the model width (hidden_size)"})
     heads: int = Field(gt=0, json_schema_extra={"fix": "give the query heads (num_attention_heads)"})
     kv_heads: int = Field(gt=0, json_schema_extra={"fix": "give the key/value heads (num_key_value_heads)"})
     head_dim: int = Field(gt=0, json_schema_extra={"fix": "give head_dim"})
+    """A query's and a key's width per head (MLA's: qk_nope_head_dim + qk_rope_head_dim)."""
+    v_head_dim: int = Field(0, ge=0)
+    """A value's width per head (0: head_dim; MLA's v_head_dim)."""
     ffn: int = Field(0, ge=0, json_schema_extra={"fix": "give the MLP width (intermediate_size)"})
+    """The dense MLP's width (an MoE model's dense layers')."""
     vocab: int = Field(0, ge=0, json_schema_extra={"fix": "give vocab_size"})
     tied_embeddings: bool = False
     attention_only: bool = False
     kv_expanded: bool = False
+    attention_params: int = Field(0, ge=0)
+    """One layer's attention parameters as the config builds them (projections, biases, q/k norms, MLA's low-rank
+    projections and norms; :func:`cptune.plan._experts.attention_params`); 0: q, k, v and o of the widths."""
     mixer: MixerDims | None = None
     """A hybrid's layers that mix tokens outside attention (None: every layer is softmax attention)."""
+    experts: ExpertDims | None = None
+    """A mixture of experts' layers (None: a dense MLP in every layer)."""
+    latent: LatentDims | None = None
+    """Multi-head latent attention's ranks (None: q, k, v projections)."""
     name: str = ""
 
     @model_validator(mode="after")
@@ -108,12 +121,21 @@ class ModelDims(StrictModel):
         return self
 
     @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
     def q_width(self) -> int:
         return self.heads * self.head_dim
 
     @property
     def kv_width(self) -> int:
+        """K's width (V's is ``v_width``)."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def v_width(self) -> int:
+        return self.kv_heads * self.value_dim
 
     @property
     def attended_kv_heads(self) -> int:
@@ -121,20 +143,49 @@ class ModelDims(StrictModel):
         return self.heads if self.kv_expanded else self.kv_heads
 
     @property
-    def layer_params(self) -> int:
-        """Parameters of one block: q, k, v, o projections, the gated MLP, two norms."""
+    def attention_layer_params(self) -> int:
+        """One layer's attention parameters."""
         if self.attention_only:
             return 0
-        h = self.hidden
-        return h * (self.q_width + 2 * self.kv_width) + self.q_width * h + 3 * h * self.ffn + 2 * h
+        return self.attention_params or (self.hidden * (self.q_width + self.kv_width + self.v_width)
+                                          + self.heads * self.value_dim * self.hidden)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one dense block: attention, the gated MLP, two norms."""
+        if self.attention_only:
+            return 0
+        return self.attention_layer_params + 3 * self.hidden * self.ffn + 2 * self.hidden
+
+    def _layers_with(self, moe_params: int) -> int:
+        if self.mixer is not None:
+            attention = self.attention_layer_params
+            mixed = self.layers * self.layer_params + self.mixer.layers * (self.mixer.params - attention)
+        else:
+            mixed = self.layers * self.layer_params
+        if self.experts is None:
+            return mixed
+        return mixed + self.experts.layers * (moe_params - 3 * self.hidden * self.ffn)
 
     @property
     def all_layer_params(self) -> int:
-        """Every block's parameters: a hybrid's mixer layers have theirs in place of attention's projections."""
-        if self.mixer is None:
-            return self.layers * self.layer_params
-        attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
-        return self.layers * self.layer_params + self.mixer.layers * (self.mixer.params - attention)
+        """Every block's parameters: a hybrid's mixer layers have theirs in place of attention's projections, an MoE
+        layer every expert, its router and its shared experts in place of the dense MLP."""
+        return self._layers_with(self.experts.params if self.experts else 0)
+
+    @property
+    def active_layer_params(self) -> int:
+        """The blocks' parameters a token goes through (an MoE layer's: its top-k experts, the router, the shared
+        experts): what the FLOPs count."""
+        return self._layers_with(self.experts.active_params if self.experts else 0)
+
+    @property
+    def unit_params(self) -> float:
+        """A decoder layer's parameters as FSDP2 gathers it (a unit a layer): an MoE model's largest layer (an MoE
+        layer, every expert in it), else the mean of the layers."""
+        if self.experts is None or self.attention_only:
+            return self.all_layer_params / self.layers
+        return self.layer_params + self.experts.params - 3 * self.hidden * self.ffn
 
     @property
     def params(self) -> int:
@@ -143,12 +194,25 @@ class ModelDims(StrictModel):
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.all_layer_params + embed + self.hidden
 
+    @property
+    def active_params(self) -> int:
+        """The parameters a token goes through: :attr:`params` with an MoE layer's top-k experts only."""
+        return self.params - self.all_layer_params + self.active_layer_params
+
     def describe(self) -> str:
         if self.attention_only:
             return f"attention proxy: {self.layers} layer(s), {self.heads}/{self.kv_heads} heads x {self.head_dim}"
-        return (f"{self.name or 'model'}: {self.params / 1e9:.2f}B parameters, {self.layers} layers, hidden "
-                f"{self.hidden}, {self.heads}/{self.kv_heads} heads x {self.head_dim}, ffn {self.ffn}, "
-                f"vocab {self.vocab}" + (f", {self.mixer.layers} of the layers {self.mixer.kind}" if self.mixer else ""))
+        moe = self.experts
+        total = f"{self.params / 1e9:.2f}B parameters" + (
+            f" ({self.active_params / 1e9:.2f}B active: {moe.describe()})" if moe else "")
+        heads = f"{self.heads}/{self.kv_heads} heads x {self.head_dim}" + (
+            f"/{self.value_dim}" if self.value_dim != self.head_dim else "")
+        mlp = f"ffn {self.ffn}" if moe is None else (
+            (f"ffn {self.ffn} in {self.layers - moe.layers} dense layer(s), " if moe.layers < self.layers else "")
+            + f"experts {moe.experts} x {moe.width}" + (f", shared {moe.shared_width}" if moe.shared_width else ""))
+        return (f"{self.name or 'model'}: {total}, {self.layers} layers, hidden {self.hidden}, {heads}"
+                + (f" {self.latent.describe()}" if self.latent else "") + f", {mlp}, vocab {self.vocab}"
+                + (f", {self.mixer.layers} of the layers {self.mixer.kind}" if self.mixer else ""))
 
 
 def dims_from_values(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -167,20 +231,29 @@ def dims_from_values(layers: int, hidden: int, heads: int, kv_heads: int, ffn: i
 
 def _from_fields(data: Mapping[str, Any], name: str) -> ModelDims:
     text = data.get("text_config") or data
+    model_type = str(text.get("model_type") or data.get("model_type") or "")
     heads = text["num_attention_heads"]
     hidden = text["hidden_size"]
-    return ModelDims(layers=text["num_hidden_layers"], hidden=hidden, heads=heads,
-                     kv_heads=text.get("num_key_value_heads") or heads,
-                     head_dim=text.get("head_dim") or hidden // heads, ffn=text.get("intermediate_size") or 4 * hidden,
-                     vocab=text.get("vocab_size") or 0, tied_embeddings=bool(text.get("tie_word_embeddings", False)),
-                     mixer=mixer_from_fields(text), name=name)
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or hidden // heads
+    v_head_dim = text.get("v_head_dim") or head_dim
+    latent = latent_from_fields(text)
+    if latent is not None:  # kv_b_proj makes every head's key and value; q and k are nope + rope wide
+        kv_heads, head_dim, v_head_dim = heads, latent.nope + latent.rope, latent.v_head_dim
+    experts = experts_from_fields(text, model_type)
+    return ModelDims(layers=text["num_hidden_layers"], hidden=hidden, heads=heads, kv_heads=kv_heads,
+                     head_dim=head_dim, v_head_dim=v_head_dim if v_head_dim != head_dim else 0,
+                     ffn=dense_width(text), vocab=text.get("vocab_size") or 0,
+                     tied_embeddings=bool(text.get("tie_word_embeddings", False)),
+                     attention_params=attention_params(text, model_type, heads, kv_heads, head_dim, v_head_dim, latent),
+                     mixer=mixer_from_fields(text), experts=experts, latent=latent, name=name)
 
 
 def dims_from_config(path: str | Path, overrides: Mapping[str, Any] | None = None,
                      argument: str = "model") -> ModelDims:
     """A model's dims from its local directory or config.json: through transformers' config when it is
     installed and knows the model (the loader ``cptune search --model`` uses, so derived fields follow overrides),
-    else the JSON."""
+    else the JSON; a mixture of experts and MLA read by :mod:`cptune.plan._experts` either way. Nothing is built."""
     from .. import models
 
     found = models.config_path(path, argument)
@@ -199,6 +272,11 @@ def dims_from_config(path: str | Path, overrides: Mapping[str, Any] | None = Non
     except KeyError as exc:
         raise ValidationError([Problem(argument, f"{found} has no {exc.args[0]}", "use a decoder-only transformers "
                                        "config (num_hidden_layers, hidden_size, num_attention_heads)")]) from None
+    except ValidationError:
+        raise
+    except (TypeError, ValueError) as exc:  # a count that is not a number, a list where a count goes
+        raise ValidationError([Problem(argument, f"{found}: a field is not of its type ({exc})", "give each field a "
+                                       "value of its type, as in the model's config.json")]) from None
 
 
 def dims_from_workload(workload: Workload) -> ModelDims:

@@ -14,12 +14,12 @@ from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
 from .._sizes import format_rate, format_size
-from .._space import AC_MODES, configurations, model_limits, tp_degrees
+from .._space import AC_MODES, configurations, model_limits, tp_degrees, transformers_missing
 from ..workload import Workload
 from ._calibrate import Calibration
 from ._dims import ModelDims
 from ._hardware import Hardware
-from ._step import Point, Prediction, predict
+from ._step import Point, Prediction, judge, predict
 
 def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
            backend: str = "flash", tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,),
@@ -67,15 +67,16 @@ class Plan:
         return "\n".join(lines)
 
     def shortfall(self, more_gpus: Plan | None = None) -> str:
-        """What the closest configuration lacks, when none is predicted to fit: its peak against the budget and its
-        largest parts; ``more_gpus``: a plan of the same job on more GPUs, said if something fits there."""
+        """What the closest configuration lacks, when none is predicted to fit: its peak against the budget and each
+        of its memory parts in GiB, largest first; ``more_gpus``: a plan of the same job on more GPUs, said if something
+        fits there."""
         close = min(self.predictions, key=lambda p: p.peak_bytes)
-        parts = sorted(((v, k) for k, v in close.memory.items()), reverse=True)[:4]
+        parts = sorted(((v, k) for k, v in close.memory.items() if v), reverse=True)
         there = more_gpus.best if more_gpus is not None else None
         more = (f"On {more_gpus.gpus} GPUs {there.point.label()} is predicted to fit ({format_size(there.peak_bytes)}, "
                 f"{format_rate(there.tokens_per_s_per_gpu)} tokens/s per GPU). " if there is not None else "")
         return (f"The closest, {close.point.label()}, needs {format_size(close.peak_bytes)} per GPU against "
-                f"{format_size(self.budget)} ({', '.join(f'{k} {format_size(v)}' for v, k in parts)}). {more}It "
+                f"{format_size(self.budget)} ({', '.join(f'{k} {v / 2**30:.2f}GiB' for v, k in parts)}). {more}It "
                 "would take more GPUs, a shorter --seq-len or a larger --memory-budget; or what cptune does not "
                 "plan: activation offloading, or pipeline parallelism (the layers split into stages)")
 
@@ -119,8 +120,19 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     # the model's own limits, as the training script and the search apply them: a tp its plan cannot split is not
     # tried, and cp > 1 is not possible for a model with layers that mix tokens outside attention
     tps, cp_refused, whole = model_limits(workload, tp_degrees(gpus, gpus_per_node, max_tp))
+    if dims.experts is not None:  # no TP plan cptune applies splits experts (cptune.models.tp_problems), so none here
+        tps = tuple(t for t in tps if t == 1)
     notes = [f"cp > 1 is not possible: {cp_refused}. The rows are cp = 1, and the step model does not price those "
              "layers: it takes every decoder layer as softmax attention"] if cp_refused else []
+    if workload.model is not None and transformers_missing():
+        notes.insert(0, "transformers is not installed: planned from config.json's fields alone, without the family's "
+                        "TP plan or layer rule, so tp = 1 only and no layer refused or run whole")
+    moe = dims.experts
+    if moe is not None:
+        notes.append(f"{moe.layers} of the {dims.layers} layers are a mixture of experts ({moe.describe()}): memory "
+                     f"holds every expert (an MoE layer's FSDP unit gathers all {moe.experts}), FLOPs count those a "
+                     "token goes through; cptune has no expert parallelism: FSDP2 shards the experts over dp x cp, "
+                     "and tp does not split them")
     mix = dims.mixer
     if whole:
         notes.append(f"under cp > 1 the layers that mix tokens outside attention ({whole}) run whole on every rank "
@@ -140,12 +152,8 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
                                        + "; ".join(sorted({r for _, r in invalid})[:3]),
                                        "use a length divisible by the GPU count (x2 for load balancing)")])
     preds = []
-    for point in valid:
-        p = calibration.apply(predict(dims, workload, point, hardware, gpus_per_node, budget))
-        if p.infeasible is None and p.peak_bytes > budget:  # the calibrated peak decides
-            p.infeasible = f"predicted peak {format_size(p.peak_bytes)} > budget {format_size(budget)}"
-            p.bottleneck = "memory"
-        preds.append(p)
+    for point in valid:  # the calibrated parts decide: no row fits whose parts, summed, exceed the budget
+        preds.append(judge(calibration.apply(predict(dims, workload, point, hardware, gpus_per_node, budget)), budget))
     preds.sort(key=lambda p: (p.infeasible is not None, -p.tokens_per_s_per_gpu if p.infeasible is None
                               else p.peak_bytes))
     return Plan(dims=dims, workload=workload, hardware=hardware, gpus=gpus, gpus_per_node=gpus_per_node,

@@ -16,23 +16,25 @@ reported as exposed communication.
 Memory: parameters, gradients and AdamW states sharded by FSDP over dp x cp, the gathered layers,
 activations per AC mode, the loss's working set (cptune's chunked loss: one chunk's float32 logits over this tp
 rank's share of the vocabulary, and a float per token; ``loss: whole``: the whole logits), the attention's
-temporaries and communication buffers, and the process's baseline.
+temporaries and communication buffers, and the process's baseline. A mixture of experts (:mod:`._experts`) holds
+every expert (and FSDP gathers an MoE layer whole) and computes what a token goes through: its top-k experts.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from .. import _tp_shards
 from .._head import chunk_tokens_for
+from .._sizes import format_size
 from ..attention import Layout, documents_from_lengths, kv_replication, lengths_from_spec, needs, token_work, \
     work_chunks
 from ..config import CPConfig, decide_load_balance
 from ..workload import Workload
-from . import _mixer_step
+from . import _experts, _mixer_step
 from ._dims import ModelDims
 from ._hardware import Hardware
 
@@ -150,10 +152,16 @@ def _positions(seq_len: int, documents: str | None, causal: bool, window: int | 
 def busiest_pairs(workload: Workload, ring: int, balanced: bool) -> float:
     """Attended (query, key) pairs per sequence of the ring position with the most, over ``ring`` shards."""
     w = workload
-    work = _work(w.seq_len, w.documents, w.causal, w.window)
+    return _busiest(w.seq_len, w.documents, w.causal, w.window, ring, balanced)
+
+
+@functools.lru_cache(maxsize=256)
+def _busiest(seq_len: int, documents: str | None, causal: bool, window: int | None, ring: int,
+             balanced: bool) -> float:
+    work = _work(seq_len, documents, causal, window)
     if ring == 1:
         return float(work.sum())
-    return float(work[_positions(w.seq_len, w.documents, w.causal, w.window, ring, balanced)].sum(-1).max())
+    return float(work[_positions(seq_len, documents, causal, window, ring, balanced)].sum(-1).max())
 
 
 @functools.lru_cache(maxsize=64)
@@ -204,7 +212,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     # tensor parallelism splits what is between a layer's column- and row-parallel matmuls: heads, K/V and the
     # MLP's width; sequence parallelism splits the residual stream and its norms by token over tp (each block's
     # input gathered whole, kept by its column-parallel matmuls); the embeddings and the LM head stay whole
-    h, hq, kv, f, L = dims.hidden, dims.q_width // tp, dims.kv_width // tp, dims.ffn // tp, dims.layers
+    h, hq, kv, vw, L = dims.hidden, dims.q_width // tp, dims.kv_width // tp, dims.v_width // tp, dims.layers
+    mlp = _experts.mlp_terms(dims.experts, dims.ffn, h, L, tp, e)  # the MLPs' (an MoE's top-k experts, its router)
     gathered_in = 2 * h if tp > 1 else 0  # per token: the attention's and the MLP's whole inputs
     # kept for backward: whole under compile; as this tp rank's shard without AC (gathered again in backward,
     # cptune._tp_shards); under AC the recompute gathers them again
@@ -213,8 +222,9 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     kv_heads = dims.attended_kv_heads // tp
     heads = dims.heads // tp
     rep = kv_replication(heads, kv_heads, ulysses) if ulysses > 1 else 1
-    kv_att = kv_heads * rep * dims.head_dim  # per token: K's width as attention receives it (so V's)
-    block = 2 * b * (kv_heads * rep / ulysses) * (s // ring) * dims.head_dim * e  # one ring step's K and V
+    kv_dim = (dims.head_dim + dims.value_dim) / 2  # a head's K and V, half each (MLA's are not as wide)
+    kv_att = kv_heads * rep * kv_dim  # per token: K's and V's mean width as attention receives them
+    block = 2 * b * (kv_heads * rep / ulysses) * (s // ring) * kv_dim * e  # one ring step's K and V
     exchanged = (2 * hq + 2 * kv_att) * e if ulysses > 1 else 0  # per token: what Ulysses swaps (q, k, v, out)
     # the point-to-point rotation, and cptune's masked ring with either one, send the next block during this one's
     prefetched = prefetches(c, w)
@@ -232,7 +242,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     mixing = _mixer_step.terms(mix, _mixer_step.path(mix, cp, c.mixers), tokens, cp, h, e) if M else None
 
     # -- compute -------------------------------------------------------------------------
-    matmul = (dims.all_layer_params / L - 2 * h) / tp if not dims.attention_only else 0
+    # the matmuls of what a token goes through (an MoE layer's top-k and shared experts, its router)
+    matmul = (dims.active_layer_params / L - 2 * h) / tp if not dims.attention_only else 0
     # the LM head and loss: chunked, each tp rank its share of the vocabulary (recomputed in backward under tp); whole
     # (loss: whole), every tp rank the whole vocabulary
     head = 0 if dims.attention_only or not dims.vocab else dims.vocab / (tp if w.loss == "chunked" else 1)
@@ -241,9 +252,10 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     if mixing is not None:  # the generic path projects the whole sequence on every rank
         dense_fwd += M * (mixing.dense_flops - 2 * tokens * mix.params)
     pairs = busiest_pairs(w, ring, lb) * b
-    attn_fwd = 4 * dims.head_dim * (heads / ulysses) * pairs * La + (M * mixing.recurrence_flops if M else 0)
+    attn_fwd = 2 * (dims.head_dim + dims.value_dim) * (heads / ulysses) * pairs * La + (
+        M * mixing.recurrence_flops if M else 0)
     # elementwise traffic per token: the residual stream's and the heads' (split by tp), the gathered inputs, the MLP's
-    per_token = 3 * hq if dims.attention_only else 14 * h / tp + gathered_in + 6 * f
+    per_token = 3 * hq if dims.attention_only else 14 * h / tp + gathered_in + mlp.elementwise
     expanded = 2 * hq if dims.kv_expanded else 0  # repeat_kv writes query-wide K and V (and autograd keeps them)
     per_token += expanded
     elem_fwd = tokens * L * per_token * e + tokens * head * 12
@@ -298,6 +310,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     sharded = mesh.dp_shard * cp  # FSDP2's ranks (each tp rank's own); HSDP replicates over dp_replicate
     shards = sharded if point.fsdp else 1
     layer_p = dims.all_layer_params / L / tp  # a tp rank's share of a layer (its norms, a rounding here, whole)
+    unit_p = dims.unit_params / tp  # what FSDP2 gathers for a layer (an MoE layer: every expert in it)
     root_p = dims.params - dims.all_layer_params
     if dims.params and world > 1:
         if point.fsdp and sharded > 1:  # the FSDP group's ranks lie tp apart: it spans cp x dp_shard x tp ranks
@@ -318,7 +331,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
 
     # -- memory (per rank) -----------------------------------------------------------------
     p = L * layer_p + root_p  # a tp rank's parameters, before FSDP2 shards them
-    gathered = (2 * layer_p + dims.vocab * h) * e if point.fsdp and p and sharded > 1 else 0
+    gathered = (2 * unit_p + dims.vocab * h) * e if point.fsdp and p and sharded > 1 else 0
     lse = heads * 4
     ring_extra = hq * 4 + lse if ring > 1 else 0
     if dims.attention_only:
@@ -327,19 +340,22 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     else:
         # what autograd keeps of a Llama-style block: two norms (input, normalized, output: 3h each; split by
         # token under sequence parallelism, where the blocks' gathered inputs are kept whole), q and k before and
-        # after rotary, v, the attention's output and its transposed copy, four MLP tensors; selective keeps the
-        # layer's input and the two row-parallel matmuls' outputs (whole, before their reduce-scatter)
-        full_layer = (6 * h / tp + kept_in + 4 * hq + 3 * kv + expanded + 4 * f) * e + lse + ring_extra + exchanged
-        selective = (h / tp + 2 * h + 2 * hq + 2 * kv + 2 * f) * e + lse + ring_extra + exchanged
+        # after rotary, v, the attention's output and its transposed copy (MLA: its compressed q and kv too), the MLP's
+        # (:func:`cptune.plan._experts.mlp_terms`); selective keeps the layer's input and the two row-parallel
+        # matmuls' outputs (whole, before their reduce-scatter)
+        latent = dims.latent.kept if dims.latent else 0
+        attention = (6 * h / tp + kept_in + 4 * hq + 2 * kv + vw + expanded + latent) * e + lse + ring_extra + exchanged
+        full_layer = attention + mlp.full
+        selective = (h / tp + 2 * h + 2 * hq + kv + vw + latent / 2) * e + lse + ring_extra + exchanged + mlp.selective
         kept = {"none": full_layer, "selective": selective, "full": h * e / tp}[point.ac]
     per_layer = [(La, kept, full_layer)]
     if mixing is not None:  # a mixer layer: its norms, residual and MLP as attention's, the mixer's own (selective
         # keeps its matmuls' outputs: about all of it)
-        full_mixer = (6 * h + 4 * f) * e + mixing.kept_bytes / tokens
+        full_mixer = 6 * h * e + mlp.full + mixing.kept_bytes / tokens
         per_layer.append((M, full_mixer if point.ac != "full" else h * e, full_mixer))
     # backward holds one layer's gradients (about its activations) besides what is kept; a checkpointed
-    # layer's recomputed activations too
-    largest = max(full for _, _, full in per_layer)
+    # layer's recomputed activations too: the largest layer's (an MoE layer's where the MLPs differ)
+    largest = max(full for _, _, full in per_layer) + (0 if dims.attention_only else mlp.largest - mlp.full)
     activations = tokens * (sum(n * k for n, k, _ in per_layer) + largest + (largest if point.ac != "none" else 0))
     if w.loss == "whole":
         loss = tokens * head * (e + 8)  # the logits, their float32 copy and its gradient
@@ -353,18 +369,27 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     memory = {"baseline": hw.baseline_bytes, "parameters": int(4 * p // shards), "gradients": int(4 * p // shards),
               "optimizer": int(8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
               "activations": int(activations), "loss": int(loss), "attention_buffers": int(temps)}
-    peak = sum(memory.values())
     tps = dp * b * s / step
     pred = Prediction(point=point, step_s=step, tokens_per_s=tps, tokens_per_s_per_gpu=tps / world, time=time,
-                      memory=memory, peak_bytes=int(peak))
-    budget = hw.memory_bytes if budget is None else budget
+                      memory=memory, peak_bytes=sum(memory.values()))
+    return judge(pred, hw.memory_bytes if budget is None else budget)
+
+
+def judge(pred: Prediction, budget: int) -> Prediction:
+    """``pred`` with its peak and verdict set from its own figures (the step model's, or as calibrated): its peak is
+    its memory parts summed, and it is infeasible when that exceeds ``budget``, whatever else it says; else its
+    bottleneck, from the step model's exposed communication against its step (a tp row's: its collectives too)."""
+    peak = sum(pred.memory.values())
+    t = pred.time
+    exposed, step = t["exposed_communication"], t["compute"] + t["exposed_communication"]
+    infeasible = None
     if peak > budget:
-        pred.infeasible = f"predicted peak {peak / 2**30:.1f}GiB > budget {budget / 2**30:.1f}GiB"
-        pred.bottleneck = "memory"
+        infeasible, bottleneck = f"predicted peak {format_size(peak)} > budget {format_size(budget)}", "memory"
     elif exposed > 0.25 * step:
-        pred.bottleneck = f"exposed communication ({exposed / step:.0%} of the step)"
+        bottleneck = f"exposed communication ({exposed / step:.0%} of the step)"
     else:
-        pred.bottleneck = "compute" + (f" ({exposed / step:.0%} exposed communication)" if exposed > 0.01 * step else "")
+        bottleneck = "compute" + (f" ({exposed / step:.0%} exposed communication)" if exposed > 0.01 * step else "")
+    tp = pred.point.config.parallel_dims().tp
     if tp > 1:  # why a tp row wins or loses: its collectives against what it saves
-        pred.bottleneck += f"; tp{tp}: gathers and reduce-scatters {comm['tp'] / step:.0%} of the step, matmuls {tp}x narrower"
-    return pred
+        bottleneck += f"; tp{tp}: gathers and reduce-scatters {t['comm_tp'] / step:.0%} of the step, matmuls {tp}x narrower"
+    return replace(pred, peak_bytes=peak, infeasible=infeasible, bottleneck=bottleneck)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..config import CPConfig
 from ..errors import CPTuneError
 from ..launch import GroupLost, RankFailure, WorkerGroup
-from .measure import baseline_on_rank, measure_on_rank
+from .measure import baseline_on_rank, check_on_rank, measure_on_rank
 from .settings import MeasureSettings
 from ..workload import Workload
 
@@ -31,6 +31,14 @@ class TrialFailed(CPTuneError):
     def __init__(self, reason: str, detail: str = "") -> None:
         self.reason = reason
         super().__init__(reason + (f"\n{detail}" if detail else ""))
+
+
+def _refusal(errors: dict[int, BaseException]) -> CPTuneError:
+    """A rank's cptune error as it was (the first-step check's refusal by name), else the failure in a line."""
+    rank = min(errors)
+    if isinstance(errors[rank], CPTuneError):
+        return errors[rank]
+    return TrialFailed(f"rank {rank}: {_one_line(errors[rank])} during the first-step check")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -49,6 +57,15 @@ class LocalEvaluator:
 
     def baseline(self, mesh_shapes) -> int:
         return max(self.group.run(baseline_on_rank, mesh_shapes))
+
+    def check(self, workload: Workload) -> str | None:
+        """The model's first-step check on the ranks (:func:`.measure.check_on_rank`); a refusal raised here."""
+        try:
+            return self.group.run(check_on_rank, workload, timeout=self.trial_timeout)[0]
+        except RankFailure as exc:
+            raise _refusal(exc.errors) from None
+        except GroupLost as exc:
+            raise TrialFailed(str(exc).splitlines()[0] + " during the first-step check") from None
 
     def __call__(self, workload: Workload, config: CPConfig, settings: MeasureSettings) -> list[dict]:
         try:
@@ -90,8 +107,10 @@ class SPMDEvaluator:
     def _serve(self, message: tuple) -> Any:
         kind, *args = message
         try:
-            value = baseline_on_rank(*args) if kind == "baseline" else self.measure(*args)
-            reply = ("ok", value)
+            work = {"baseline": baseline_on_rank, "check": check_on_rank}.get(kind, self.measure)
+            reply = ("ok", work(*args))
+        except CPTuneError as exc:  # said as it is (the first-step check's refusal)
+            reply = ("refused", exc)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the trial
             reply = ("error", (_one_line(exc), traceback.format_exc()))
         replies = [None] * self.world_size if dist.get_rank() == 0 else None
@@ -128,7 +147,11 @@ class SPMDEvaluator:
             replies = self._serve(message)
         finally:
             timer.cancel()
-        errors = [(r, rep[1]) for r, rep in enumerate(replies) if rep[0] == "error"]
+        refused = {r: rep[1] for r, rep in enumerate(replies) if rep[0] == "refused"}
+        if refused and message[0] == "check":
+            raise _refusal(refused)
+        errors = [(r, rep[1] if rep[0] == "error" else (_one_line(rep[1]), "")) for r, rep in enumerate(replies)
+                  if rep[0] in ("error", "refused")]
         if errors:
             rank, (line, detail) = errors[0]
             raise TrialFailed(f"rank {rank}: {line}", detail)
@@ -141,6 +164,9 @@ class SPMDEvaluator:
 
     def baseline(self, mesh_shapes) -> int:
         return max(self._ask(("baseline", mesh_shapes)))
+
+    def check(self, workload: Workload) -> str | None:
+        return self._ask(("check", workload))[0]
 
     def __call__(self, workload: Workload, config: CPConfig, settings: MeasureSettings) -> list[dict]:
         return self._ask(("measure", workload, config, settings))

@@ -116,6 +116,18 @@ def measure_on_rank(workload: Workload, config: CPConfig, settings: MeasureSetti
             "pid": os.getpid(), "first_step": first_step if settings.warmup else None}
 
 
+def check_on_rank(workload: Workload) -> str | None:
+    """The first-step check of a ``--model`` workload (:func:`.steps.check_model`) on this rank: its report line
+    (None: a proven family), or the refusal (raised). Collective: call on every rank."""
+    from .steps import check_model
+
+    _release_free_memory()
+    try:
+        return check_model(workload, rank_device())
+    finally:
+        _release_free_memory()
+
+
 def baseline_on_rank(mesh_shapes: Sequence[tuple[int, int]] = ()) -> int:
     """Memory a rank uses before any trial: the interpreter, torch, the process groups of every
     mesh in the search, and the attention kernels' code and thread pools, paged in by a tiny

@@ -1,4 +1,7 @@
-"""Per-rank memory: an analytic model of the proxy step's peak, budgets, and real peak readings."""
+"""Per-rank memory: an analytic model of the proxy step's peak, budgets, and real peak readings. A ``--model``
+workload's peak is the plan's instead (:func:`cptune.plan.predict` through :class:`cptune.search.guide.Guide`, which the
+driver prunes on): its parameters, gradients and optimizer state as the config states them, a mixture of experts'
+every expert and MLA's real projections included (:mod:`cptune.plan._experts`)."""
 
 from __future__ import annotations
 

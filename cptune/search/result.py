@@ -28,6 +28,7 @@ class SearchResult:
     evaluated_now: int = 0
     complete: bool = False
     plan_calibration: str | None = None  # how the plan column's model was calibrated (None: no plan column)
+    check: str | None = None  # a --model's first-step check, run before the trials (None: a proven family, or none)
 
     @property
     def ranked(self) -> list[TrialRecord]:
@@ -129,4 +130,5 @@ class SearchResult:
             "evaluated_now": self.evaluated_now, "complete": self.complete,
             "best": best.to_dict() if best else None, "trials": [r.to_dict() for r in self.ranked],
             "equivalent": [r.label for r in self.tie], "race": self.race, "plan_calibration": self.plan_calibration,
+            "check": self.check,
         }

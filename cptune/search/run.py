@@ -181,6 +181,8 @@ def search(
             try:
                 budget = parse_size(memory_budget) if memory_budget is not None else \
                     default_budget(evaluator.device_type, evaluator.nproc_per_node)
+                # a --model: the family's first-step check, once on these ranks, before anything is measured
+                checked = evaluator.check(workload) if workload.model and evaluator.world_size > 1 else None
                 plan = SearchSettings(budget=budget, margin=memory_margin, measure=settings, n_trials=n_trials,
                                       timeout=timeout, trial_timeout=trial_timeout, sampler=sampler, seed=seed,
                                       confirm=confirm, exhaustive=exhaustive, max_tp=max_tp)
@@ -188,6 +190,7 @@ def search(
                     name = study_name if study_name is None or len(workloads) == 1 else f"{study_name}-S{w.seq_len}"
                     results.append(run_study(evaluator, w, plan, storage=storage, study_name=name, progress=progress,
                                              interrupts=interrupts))
+                    results[-1].check = checked
             except SearchInterrupted:
                 stopped = True
                 evaluator.abort()  # the ranks may be mid-trial: stop them now, leave no process behind

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import models
-from .._hf import causal_lm_loss
+from ..config import CPConfig
+from ..hf import causal_lm_loss, check, enable
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from .._loss import packed_labels_and_positions
-from .._session import model_mesh, world_mesh
+from .._meshes import model_mesh, world_mesh
 from ..mesh import ParallelDims
 from ..errors import CPTuneError, Problem, ValidationError
 from ..workload import Workload
@@ -106,6 +107,7 @@ def build_model_step(workload: Workload, device: torch.device, dims: ParallelDim
         mesh = model_mesh(dims, device.type)
     model = models.build_model(config, device, fsdp_mesh=mesh, ac=workload.ac, compile=workload.compile,
                                dtype=workload.torch_dtype)
+    enable(model, check="never")  # the search checked it once, up front (:func:`check_model`): none in a trial
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, config.get_text_config().vocab_size, (workload.batch, workload.seq_len),
@@ -119,3 +121,16 @@ def build_model_step(workload: Workload, device: torch.device, dims: ParallelDim
         optimizer.zero_grad(set_to_none=True)
 
     return step, [t.to(device) for t in (input_ids, labels, positions)], [1, 1, 1]
+
+
+def check_model(workload: Workload, device: torch.device):
+    """The first-step check of ``workload``'s model (:func:`cptune.hf.check`) on these ranks, split over all of them
+    by the ring: once, before the search measures anything. Its report line, or None for a family the support
+    matrix has proven; a refusal is a :class:`cptune.ValidationError`."""
+    world = dist.get_world_size()
+    model = models.build_model(models.load_config(workload.model, workload.model_overrides), device,
+                               fsdp_mesh=world_mesh(device.type), ac=workload.ac, compile=workload.compile,
+                               dtype=workload.torch_dtype)
+    report = check(model, config=CPConfig(mesh_shape=(1, world)), packed=workload.documents is not None,
+                   seq_len=workload.seq_len)
+    return None if report is None else report.line()
