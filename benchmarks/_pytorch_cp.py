@@ -2,7 +2,7 @@
 
 torch's DTensor dispatcher has ring handlers for the CUDA kernels only; this adds one for the
 CPU flash kernel (the same templated ring functions cptune uses) while the block runs. torch's
-private CP module is reached through ``cptune._torch_cp``, which stays its only importer.
+private CP module is reached through ``cptune.attention.require_cp`` (``cptune._torch_cp``, its only importer).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cptune import _torch_cp
+from cptune.attention import require_cp
 
 aten = torch.ops.aten
 
@@ -21,7 +21,7 @@ aten = torch.ops.aten
 def _native_cpu_handler(op_call, args, kwargs):
     from torch.distributed.tensor import DTensor, Shard
 
-    cp = _torch_cp.require_cp()
+    cp = require_cp()
     mesh = next(a.device_mesh for a in [*args, *kwargs.values()] if isinstance(a, DTensor))
     local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
     lkw = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in kwargs.items()}
@@ -47,7 +47,7 @@ def torch_context_parallel(mesh: Any, buffers: list[torch.Tensor], seq_dims: lis
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import context_parallel
 
-    cp = _torch_cp.require_cp()
+    cp = require_cp()
     dispatcher = DTensor._op_dispatcher
     old_rotate = cp._cp_options.rotate_method
     cp.set_rotate_method(rotate_method)
@@ -70,7 +70,7 @@ def flex_document_forward(mesh: Any, docs: torch.Tensor) -> Any:
     from torch.distributed.distributed_c10d import _get_process_group_name
     from torch.nn.attention.flex_attention import flex_attention
 
-    cp = _torch_cp.require_cp()
+    cp = require_cp()
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)

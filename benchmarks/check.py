@@ -20,38 +20,14 @@ Results: benchmarks/results/check-<stamp>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from pathlib import Path
+
+from tests._broken import BROKEN, broken
 
 from .report import print_worst_rank, run_json, save_results
 
 ROOT = Path(__file__).resolve().parents[1]
-BROKEN = {"llama4_text": ("shard positions", ()), "zamba2": ("cut gradient", ()),
-          "deepseek_v32": ("", ("DeepseekV32Indexer",)), "qwen4_exp_text": ("", ("Qwen4ExpTextQSAIndexer",))}
-"""The families that failed, how (what of cptune's is undone), and the indexers vouched for past the rule."""
-
-
-@contextlib.contextmanager
-def broken(how: str):
-    """cptune's fix undone in this process, the way a family failed before it: ``shard positions`` (Llama 4's chunks
-    and NoPE temperature read from the rank's shard) or ``cut gradient`` (Zamba2's shared block reaching its Mamba
-    layer detached); ``""`` undoes nothing."""
-    from cptune import _families, _gathered, _hf
-    from cptune import attention as A
-
-    saved = (_families.adapt, _hf.layer_chunk, _gathered.gather_inputs)
-    if how == "shard positions":
-        _families.adapt, _hf.layer_chunk = (lambda model: []), (lambda module: None)
-    elif how == "cut gradient":
-        _gathered.gather_inputs = lambda kwargs, local, group, layout, rank: _gathered._map_sequence(
-            kwargs, local, lambda t: A.gather(t.detach(), 1, group, layout))
-    try:
-        yield
-    finally:
-        _families.adapt, _hf.layer_chunk, _gathered.gather_inputs = saved
-
-
 def _errors(family: str, how: str, vouch: tuple, strategy: str, packed: bool, dtype: str) -> dict:
     """The check of ``family`` on this group's ranks: its report's errors, or the refusal's text."""
     import torch
@@ -76,7 +52,7 @@ def _errors(family: str, how: str, vouch: tuple, strategy: str, packed: bool, dt
 def margins() -> dict:
     import transformers
 
-    from cptune._hf_check import proven_families
+    from cptune.hf import proven_families
     from cptune.launch import WorkerGroup
 
     from . import matrix as M
@@ -124,7 +100,7 @@ def rank_job(mode: str, tokens: int) -> None:
     import cptune
     import cptune.hf
     from cptune import models
-    from cptune._meshes import world_mesh
+    from cptune.mesh import world_mesh
     from cptune.search.memory import current_usage, read_peak, reset_peak
 
     torch.set_num_threads(1)

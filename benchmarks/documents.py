@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cptune.attention import _documents
-from cptune.attention._sharding import Layout
+from cptune import attention as A
+from cptune.attention import Layout
 from cptune.config import CPConfig
 from cptune.search import MeasureSettings, Workload
 from cptune.search.measure import measure_on_rank
@@ -43,15 +43,15 @@ def workload(seq_len: int, documents: str | None) -> Workload:
 
 def ideal(seq_len: int, documents: str) -> float:
     """Attended pairs of the packed causal sequence / those of the unpacked one."""
-    packed = _documents.token_work(workload(seq_len, documents).document_ids(), seq_len, True, None).sum()
+    packed = A.token_work(workload(seq_len, documents).document_ids(), seq_len, True, None).sum()
     return float(packed) / (seq_len * (seq_len + 1) / 2)
 
 
 def imbalances(seq_len: int, documents: str, ring: int = 2) -> dict[str, float]:
     """Max / mean attended pairs per ring rank: PyTorch's head-tail layout and cptune's work balancing."""
     ids = workload(seq_len, documents).document_ids()
-    work = _documents.token_work(ids, seq_len, True, None)
-    found = _documents.work_chunks(work, ring)
+    work = A.token_work(ids, seq_len, True, None)
+    found = A.work_chunks(work, ring)
     chunks = found[0] if found is not None else None
 
     def of(layout: Layout) -> float:
@@ -85,7 +85,7 @@ def dense_forward(seq_len: int, documents: str, dense: bool) -> dict:
     device = torch.device("cpu")
     reset_peak(device)
     base = current_usage(device)
-    mask = _documents.dense_mask(ids, None, True, seq_len) if dense else None
+    mask = A.dense_mask(ids, None, True, seq_len) if dense else None
     dist.barrier()
     t0 = time.perf_counter()
     with cptune.context_parallel(buffers=[positions], seq_dims=[1], config=STRATEGY_CONFIGS["ulysses"],

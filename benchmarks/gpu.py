@@ -66,7 +66,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
     """
     import torch.distributed as dist
 
-    from cptune.attention import _kernels, _ring
+    from cptune import attention as A
 
     group = group or dist.group.WORLD
     torch.manual_seed(0)
@@ -85,7 +85,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
 
     rows = []
     for name in backends:
-        problem = _kernels.ring_backend_problem(device.type, name, dtype)
+        problem = A.ring_backend_problem(device.type, name, dtype)
         if problem:
             rows.append({"backend": name, "skipped": problem})
             print(rows[-1], flush=True)
@@ -98,7 +98,7 @@ def ring_check(device: torch.device, backends, dtype: torch.dtype, seq_len: int 
         single_out, single_grads = errors(*run(plain, dtype))
         for compiled in (False, True):
             def ring(q, k, v, name=name):
-                return _ring.ring_attention(q, k, v, group, name, True, None, "alltoall", False)
+                return A.ring_attention(q, k, v, group, name, True, None, "alltoall", False)
 
             fn = torch.compile(ring, fullgraph=True) if compiled else ring
             row = {"backend": name, "compiled": compiled, "dtype": str(dtype).replace("torch.", ""), "seq_len": seq_len}

@@ -3,8 +3,8 @@ ranks (cp4, ring, load balanced, FSDP2 over cp) against one process on the whole
 kind cptune splits: LFM2 (short convolutions), Qwen3.5 (Gated DeltaNet) and Bamba (Mamba2), three of every four
 layers the family's own mixer and the fourth softmax attention. Each rank's peak rise over the step (the worst rank)
 over one process's: with the mixers split (``CPConfig(mixers="split")``: LFM2's by the halo exchange,
-``cptune._halo``; Gated DeltaNet's and Mamba2's by an all-to-all over their heads, ``cptune._heads``), and, for
-comparison, run whole by the generic path (``mixers="whole"``, ``cptune._gathered``). Issue 51's goal for split
+``cptune.mixers._halo``; Gated DeltaNet's and Mamba2's by an all-to-all over their heads, ``cptune.mixers._heads``), and, for
+comparison, run whole by the generic path (``mixers="whole"``, ``cptune.mixers._generic``). Issue 51's goal for split
 paths: <= 0.35. Beside each figure, the step model's (``cptune.plan.predict`` with the shipped ``cpu`` profile): the
 activations' ratio and the step's.
 

@@ -15,12 +15,13 @@ not have is left out (the floor lane runs the families 4.56 has).
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from .matrix_docs import CP_CELLS, TP_CELL, documented, proven, short, table, update_docs, write_proven  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -70,9 +71,6 @@ FAMILIES: dict[str, dict] = {
                        "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
                        "indexer_compress_ratio": 4},  # QSA
 }
-CP_CELLS = {"ring": ("ring", False), "ulysses": ("ulysses", False), "ring, packed": ("ring", True),
-            "ulysses, packed": ("ulysses", True)}
-TP_CELL = "tp2·cp2"
 ACCEPTED = ("exact", "refused", "no plan", "no reference")
 """A cell's outcomes that are not failures: exact, refused by name, no TP plan, or one process (transformers alone,
 without cptune) cannot train the family here, so there is nothing to be exact to (4.56's Jamba on a CPU)."""
@@ -325,95 +323,6 @@ def _agreed(per_rank: list[dict]) -> dict:
                 cell["status"] = "disagree"
             cell["grad_err"] = max((r[family][label].get("grad_err", 0.0) for r in per_rank), default=0.0)
     return first
-
-
-def short(cell: dict) -> str:
-    """A cell as the docs table says it."""
-    status = cell["status"]
-    if status == "exact" and cell.get("paths"):  # a hybrid's mixers: the path they took (cptune._paths)
-        return f"exact ({', '.join(cell['paths'])})"
-    if status != "refused":
-        return {"exact": "exact", "no plan": "no TP plan", "no reference": "one process fails"}.get(status, status)
-    text = cell["message"]
-    if "which cptune does not split over tp" in text:
-        return "refused: token mixing under tp"
-    if "first-step check" in text:  # a family cptune has not proven, found wrong on the ranks
-        return "refused: first-step check"
-    if "sparse-attention indexer" in text:
-        return "refused: sparse-attention indexer"
-    if "mixes tokens outside attention" in text:
-        kinds = sorted(set(re.findall(r"a (\w+) over \d+ positions", text))
-                       | set(re.findall(r"config.layer_types '(\w+)'", text)))
-        return f"refused: token mixing ({', '.join(kinds)})"
-    if "unsplit" in text:
-        return "refused: MoE unsplit by TP plan"
-    if "column-wise with no row-wise" in text:
-        return "refused: TP plan leaves output split"
-    if "cannot build it on the meta device" in text:
-        return "refused: transformers too old"
-    if "TP plan" in text:
-        styles = sorted(set(re.findall(r": (\w+)(?:;|\))", text)))
-        return f"refused: TP plan ({', '.join(styles)})" if styles else "refused: TP plan"
-    if "attention implementation" in text or "cannot run under cptune's SDPA" in text:
-        return "refused: not SDPA attention"
-    return "refused: " + text.split(":", 2)[1].strip()[:40]
-
-
-def table(matrix: dict[str, dict[str, dict]], version: str) -> str:
-    """The docs' table (markdown) of ``matrix``."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    columns = [*CP_CELLS, TP_CELL]
-    lines = [f"| family (transformers {version}) | class | " + " | ".join(columns) + " |",
-             "|" + "---|" * (len(columns) + 2)]
-    for family, cells in matrix.items():
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family, "")
-        lines.append(f"| `{family}` | {name} | " + " | ".join(short(cells[c]) for c in columns if c in cells) + " |")
-    return "\n".join(lines)
-
-
-DOC = ROOT / "docs" / "transformers.md"
-
-
-def _markers(version: str) -> tuple[str, str]:
-    """The docs' markers around the table of ``version``'s major release (one table for 5.x, one for 4.x)."""
-    major = version.split(".", 1)[0]
-    return (f"<!-- matrix, transformers {major}: begin (python -m benchmarks.matrix --update-docs) -->",
-            f"<!-- matrix, transformers {major}: end -->")
-
-
-def documented(version: str) -> str | None:
-    """The table docs/transformers.md holds for ``version``'s major release (None: none yet)."""
-    begin, end = _markers(version)
-    text = DOC.read_text()
-    if begin not in text:
-        return None
-    return text.split(begin, 1)[1].split(end, 1)[0].strip()
-
-
-def proven(matrix: dict[str, dict[str, dict]]) -> list[str]:
-    """The families exact in every CP cell: what ``cptune.hf``'s first-step check takes as proven."""
-    return sorted(f for f, cells in matrix.items() if all(cells[c]["status"] == "exact" for c in CP_CELLS))
-
-
-def write_proven(matrix: dict[str, dict[str, dict]], version: str) -> None:
-    """``cptune/_proven.json``'s list for ``version``'s major release, from this run."""
-    from cptune._hf_check import PROVEN_FILE
-
-    data = json.loads(PROVEN_FILE.read_text()) if PROVEN_FILE.exists() else {}
-    data[version.split(".", 1)[0]] = proven(matrix)
-    PROVEN_FILE.write_text(json.dumps(dict(sorted(data.items(), reverse=True)), indent=1) + "\n")
-
-
-def update_docs(text: str, version: str) -> None:
-    begin, end = _markers(version)
-    doc = DOC.read_text()
-    block = f"{begin}\n{text}\n{end}"
-    if begin in doc:
-        doc = doc.split(begin, 1)[0] + block + doc.split(end, 1)[1]
-    else:
-        doc = doc.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(doc)
 
 
 def main(argv: list[str]) -> int:

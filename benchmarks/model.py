@@ -36,7 +36,7 @@ import cptune
 from cptune.recipe import Metrics, recipe_from_search, save_recipe
 from cptune.search import MeasureSettings
 from cptune.search.space import pytorch_default
-from cptune._sizes import format_size
+from cptune.sizes import format_size
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "tests/models/tiny-llama"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cptune
-from cptune.attention import _ring
+from cptune import attention as A
 
 
 def interleaved_medians(ways: dict, repeats: int, before=None) -> dict[str, float]:
@@ -40,7 +40,7 @@ def overhead_on_rank(seq_len: int, repeats: int) -> dict:
     group = dist.group.WORLD
 
     def bare() -> None:
-        out = _ring.ring_attention(*local, group, "flash", True, None, "alltoall", True)
+        out = A.ring_attention(*local, group, "flash", True, None, "alltoall", True)
         out.backward(grad)
 
     def wrapped() -> None:

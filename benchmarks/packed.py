@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cptune.attention import _documents
+from cptune import attention as A
 from cptune.config import CPConfig
 
 from .documents import workload
@@ -99,7 +99,7 @@ TRAFFIC = (("window S/16", None, 16), ("16 documents", "16", None), ("longtail",
 def traffic_on_rank(seq_len: int, documents: str | None, window_div: int | None, rotate: str) -> dict:
     """One causal layer's forward + backward on this rank: bytes its ring sent, the full ring's, its work, time."""
     import cptune
-    from cptune.attention import _hooks
+    from cptune import attention as A
 
     torch.manual_seed(0)
     window = (seq_len // window_div - 1, 0) if window_div else None
@@ -111,13 +111,13 @@ def traffic_on_rank(seq_len: int, documents: str | None, window_div: int | None,
     dist.barrier()
     t0 = time.perf_counter()
     with cptune.context_parallel(buffers=[*leaves, grad], seq_dims=[2] * 4, config=config, causal=True,
-                                 documents=ids, window=window, no_restore=[grad]) as cp, _hooks.counting() as sent:
+                                 documents=ids, window=window, no_restore=[grad]) as cp, A.counting() as sent:
         out = F.scaled_dot_product_attention(*leaves, is_causal=True)
         (out * grad).sum().backward()
         positions = cp._require().setup.positions
     elapsed = time.perf_counter() - t0
     ring, kv = positions.shape[0], 2 * 4 * (seq_len // positions.shape[0]) * 16 * 4  # K and V, float32
-    work = _documents.token_work(ids, seq_len, True, window)
+    work = A.token_work(ids, seq_len, True, window)
     return {"sent": sent.sent, "full": 3 * (ring - 1) * kv, "work": float(work[positions[cp.cp_rank]].sum()),
             "seconds": elapsed}
 
@@ -157,7 +157,7 @@ def hf_on_rank(seq_len: int, mode: str, repeats: int) -> dict:
     model = cptune.hf.enable(LlamaForCausalLM(LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=seq_len, attn_implementation="sdpa")))
-    lengths = _documents.lengths_from_spec("longtail", seq_len)
+    lengths = A.lengths_from_spec("longtail", seq_len)
     positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
     ids = torch.randint(0, 256, (1, seq_len))
     labels = cptune.shift_labels(ids)
@@ -177,7 +177,7 @@ def hf_on_rank(seq_len: int, mode: str, repeats: int) -> dict:
             layout = cp._require().setup.positions
         times.append(time.perf_counter() - t0)
         model.zero_grad()
-        loads = _documents.token_work(docs, seq_len, True, None)[layout].sum(-1)
+        loads = A.token_work(docs, seq_len, True, None)[layout].sum(-1)
         imbalance = float(loads.max() / loads.mean())
     return {"seconds": statistics.median(times[1:]), "imbalance": imbalance}
 

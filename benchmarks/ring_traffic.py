@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cptune._torch_cp import require_cp
+from cptune.attention import require_cp
 
 SHAPE = (1, 8, 2048, 128)  # 8 MiB per float32 tensor: under glibc's mmap ceiling (no fresh pages per allocation)
 _EVICT = 64 * 2**20  # bytes written before each timed call: past this machine's last-level cache (32 MiB here)

@@ -44,8 +44,8 @@ from cptune.search import MeasureSettings, Workload, all_configs, config_key, py
 from cptune.search.measure import baseline_on_rank, measure_on_rank, summarize
 from cptune.config import CPConfig
 from cptune.search.memory import default_budget, predict_peak
-from cptune._defaults import MEMORY_MARGIN
-from cptune._space import mesh_shapes
+from cptune.workload import MEMORY_MARGIN
+from cptune.search.space import mesh_shapes
 
 from .overhead import overhead_on_rank
 from .report import write_report

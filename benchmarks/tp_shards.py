@@ -1,4 +1,4 @@
-"""Tensor parallelism keeping only its shards (``cptune._tp_shards``), measured: a transformers Llama (8 layers,
+"""Tensor parallelism keeping only its shards (``cptune.models.build_model``'s ``keep_tp_shards``), measured: a transformers Llama (8 layers,
 hidden 1024, MLP 1024, vocabulary 4096) trained one step as tp2·cp2 on 4 CPU ranks at 8192 tokens, each split
 block's input kept for backward as the tp rank's sequence shard and gathered again, against the matmuls keeping the
 gathered input (what cptune did before). Each rank's peak rise over the step (the worst rank) and the step's time.
@@ -26,7 +26,7 @@ def rank_job(mode: str) -> None:
     import transformers
 
     import cptune
-    from cptune import _tp_shards, models
+    from cptune import models
     from cptune.hf import causal_lm_loss
     from cptune.mesh import ParallelDims
 
@@ -34,13 +34,12 @@ def rank_job(mode: str) -> None:
 
     torch.set_num_threads(1)
     cptune.init_rank()
-    if mode == "gathered":
-        _tp_shards.remember = lambda gathered, shard: None  # nothing marked: the matmuls keep the gathered input
     dims = ParallelDims(1, 1, 2, 2)
     config = transformers.LlamaConfig(vocab_size=4096, hidden_size=HIDDEN, intermediate_size=HIDDEN,
                                       num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=8,
                                       max_position_embeddings=TOKENS)
-    model = models.build_model(config, "cpu", fsdp_mesh=dims.model_mesh("cpu"), ac="none")
+    model = models.build_model(config, "cpu", fsdp_mesh=dims.model_mesh("cpu"), ac="none",
+                               keep_tp_shards=mode != "gathered")  # gathered: the matmuls keep the gathered input
     ids = torch.randint(0, 4096, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     labels, positions = cptune.shift_labels(ids), torch.arange(TOKENS).view(1, TOKENS)
     cp_config = cptune.CPConfig(mesh_shape=dims.shape)
@@ -50,7 +49,7 @@ def rank_job(mode: str) -> None:
             causal_lm_loss(model, ids, labels, position_ids=positions).backward()
         model.zero_grad(set_to_none=True)
 
-    print_worst_rank(_measure(call), kept_as_shard=_tp_shards.stats["kept_as_shard"])
+    print_worst_rank(_measure(call), kept_as_shard=models.tp_shard_stats["kept_as_shard"])
     cptune.close_rank()
 
 

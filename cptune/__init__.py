@@ -33,16 +33,16 @@ _deps.check()  # a dependency older than cptune's floor: one clear ImportError, 
 
 from .attention import RING_ATTENTION_OPS, ULYSSES_OPS, documents_from_cu_seqlens, documents_from_eos, \
     documents_from_lengths, documents_from_position_ids
-from ._loss import packed_labels_and_positions, shift_labels
+from .losses import packed_labels_and_positions, shift_labels
 from ._version import __version__  # noqa: F401
 from .config import CPConfig
 from .context import CPTuneWarning, context_parallel, num_items_in_batch, replica_rows, scaled_dot_product_attention, \
     unshard
 from .errors import CPTuneError, Problem, ValidationError
 from .mesh import ParallelDims
-from .verify._step import check
-from ._head import head_loss
-from ._parallelize import parallelize
+from .verify import check
+from .losses import head_loss
+from .models import parallelize
 from ._rank import close_rank, init_rank
 from .recipe import Recipe, load_recipe, save_recipe
 from . import search  # the subpackage (calling it is the deprecated spelling of tune)

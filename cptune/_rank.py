@@ -47,7 +47,7 @@ def close_rank() -> None:
     import torch.distributed as dist
 
     from . import _torch_cp
-    from ._meshes import release_groups
+    from .mesh import release_groups
 
     groups = _torch_cp.registered_groups()
     if dist.is_available() and dist.is_initialized():

@@ -13,11 +13,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import sdpa_kernel
 
-from . import _loss, _torch_cp
+from . import _torch_cp
+from . import losses as _loss
 from . import attention as A
-from ._meshes import _MESHES
 from .config import CPConfig
-from .mesh import ParallelDims, data_groups, data_rank
+from .mesh import ParallelDims, built_mesh, data_groups, data_rank
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .recipe import world_size_problems
 from ._validate import BufferPlan, check_buffers, transport_problems
@@ -186,9 +186,7 @@ class _Session:
     def _build_mesh(self) -> None:
         if self.cp_mesh is None and (self.cp > 1 or not self.dims.is_dp_cp):
             key = (self.device_type, self.dims, id(dist.group.WORLD))
-            if key not in _MESHES:
-                _MESHES[key] = self.dims.device_mesh(self.device_type)
-            self.mesh = _MESHES[key]
+            self.mesh = built_mesh(key, lambda: self.dims.device_mesh(self.device_type))
             self.cp_mesh = self.mesh["cp"]
         if self.cp_mesh is not None:
             self.group = self.cp_mesh.get_group()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import cptune
-from cptune.examples import _options as options
+from cptune.examples import options
 
 
 @click.command(cls=options.Script, help=__doc__.split("\n")[0])

@@ -31,7 +31,7 @@ import cptune
 import cptune.hf
 from cptune import models
 from cptune.errors import Problem, ValidationError
-from cptune.examples import _options as options
+from cptune.examples import options
 
 
 class Documents(torch.utils.data.Dataset):
@@ -105,7 +105,7 @@ def checked(model, model_overrides, recipe_path, plain, replicas, fsdp, **rest) 
     if fsdp and "RANK" in os.environ and not plain:
         import transformers
 
-        from cptune._hf_trainer import takes_sharded_models
+        from cptune.hf import takes_sharded_models
 
         if not takes_sharded_models():
             raise ValidationError([Problem("fsdp", f"the Trainer of transformers {transformers.__version__} wraps a "

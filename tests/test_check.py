@@ -7,7 +7,7 @@ import torch
 
 import cptune
 from benchmarks import matrix as M
-from benchmarks.check import BROKEN, broken
+from tests._broken import BROKEN, broken
 from cptune import verify as _check
 
 transformers = pytest.importorskip("transformers")
@@ -103,7 +103,7 @@ def _up_front_under_fsdp(strategy: str):
 
     import cptune.hf
     from cptune import models
-    from cptune._meshes import world_mesh
+    from cptune.mesh import world_mesh
 
     losses, lines = {}, []
     config = cptune.CPConfig(strategy=strategy)

@@ -163,7 +163,7 @@ def test_replica_rows_and_dp_rank(ranks):
 def test_a_rate_under_one_token_a_second_is_printed_not_rounded_to_zero(tmp_path):
     """A model that takes a minute a step (the scale test's on 2 cores) measures 0.533 tokens/s: the table, its
     range and the best line say so, where whole numbers printed 0."""
-    from cptune._sizes import format_rate
+    from cptune.sizes import format_rate
     from cptune.search.records import TrialRecord
     from cptune.search.result import SearchResult
 

@@ -1,4 +1,4 @@
-"""The loss without the whole logits (cptune/_head.py, cptune.hf.causal_lm_loss): torch's chunked
+"""The loss without the whole logits (cptune/losses.py, cptune.hf.causal_lm_loss): torch's chunked
 linear_cross_entropy and cptune's own checkpointed chunks equal the whole-logits loss and its gradients (float32,
 1e-5), with ignored targets, a bias and softcapping; the head rule reads each family's transforms from its forward's
 own code (Granite's logits_scaling, Cohere's logit_scale, Falcon-H1's lm_head_multiplier, Gemma's softcapping) and
@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cptune import _head, models
-from cptune._head import Head, head_of, loss_sum
+from cptune import models
+from cptune import losses as _head
+from cptune.losses import Head, head_of, loss_sum
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Hybrid models under CP by the generic path (cptune/_gathered.py): each layer that mixes tokens outside attention
+"""Hybrid models under CP by the generic path (cptune/mixers/_generic.py): each layer that mixes tokens outside attention
 (Gated DeltaNet, LFM2's short convolution, Mamba2) runs whole over the sequence gathered over cp, and each rank keeps
 its positions. On 2 real ranks, one such layer fed the same input as one process gives the same output, input
 gradient and parameter gradients (float32, 1e-5 of each tensor's largest), under the ring with and without load
@@ -11,7 +11,11 @@ import torch.distributed as dist
 
 import cptune
 from benchmarks import matrix as M
-from cptune import _gathered, _halo, _heads, _paths, models
+from cptune import models
+from cptune.mixers import _generic as _gathered
+from cptune.mixers import _halo
+from cptune.mixers import _heads
+from cptune.mixers import _choice as _paths
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,7 +105,7 @@ def test_a_token_mixing_layer_is_exact_by_the_generic_path(ranks, family):
     if M.tiny_config(family) is None:
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     try:
-        models._empty_model(M.tiny_config(family))
+        models.empty_model(M.tiny_config(family))
     except cptune.ValidationError as exc:  # Bamba on 4.56: this transformers cannot build it (named)
         assert "cannot build it on the meta device" in str(exc), exc
         pytest.skip(str(exc))

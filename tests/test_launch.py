@@ -95,7 +95,7 @@ def _groups_outlive_a_plain_destroy_but_not_close_rank():
     import torch
 
     import cptune
-    from cptune import _meshes as _session
+    from cptune import mesh as _session
     from cptune.attention import _ulysses
     from cptune.launch import close_rank
 

@@ -36,8 +36,67 @@ def _imports(module: str, path: Path) -> set[str]:
 
 
 def test_no_module_is_past_400_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 400}
+    every = {**MODULES, **{f"benchmarks.{p.stem}": p for p in (ROOT / "benchmarks").glob("*.py")}}
+    long = {m: n for m, p in every.items() if (n := len(p.read_text().splitlines())) > 400}
     assert not long, f"split these modules: {long}"
+
+
+def test_the_package_root_is_thin():
+    """One concept a subpackage (attention, mixers, models, hf, verify, plan, search, cli, examples): the root holds
+    the public types, the block and the few modules every package shares."""
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= 20, root
+
+
+def _private_imports(base: str) -> list[tuple[str, str]]:
+    """(importer, module) where a module under ``base`` imports a private module (a ``_name`` part) of a package
+    that is not its own or one of its ancestors: packages talk through their faces."""
+    found = []
+    for path in (ROOT / base).rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                head = package[:len(package) - node.level + 1] if node.level else []
+                target = ".".join(head + ([node.module] if node.module else [])) if node.level else node.module or ""
+                targets = [target] + [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+            else:
+                continue
+            for target in targets:
+                names = target.split(".")
+                for i, name in enumerate(names):
+                    if name.startswith("_") and not name.startswith("__") and ".".join(names[:i + 1]) in MODULES:
+                        owner = ".".join(names[:i])
+                        if not (module == owner or module.startswith(owner + ".")):
+                            found.append((module, target))
+                        break
+    return sorted(set(found))
+
+
+def test_packages_talk_through_their_faces():
+    """No module of cptune, the benchmarks or the example scripts imports another package's private module (tests may:
+    they test the insides)."""
+    found = [pair for base in ("cptune", "benchmarks", "examples") for pair in _private_imports(base)]
+    assert not found, found
+
+
+def test_a_walk_from_build_model_to_a_split_path_stays_in_models_hf_and_mixers():
+    """build_model enables the model (hf), which prepares each layer that mixes tokens (mixers), whose split path
+    runs at the model's forward: the shortest chain of imports from the build to each split path crosses no other
+    package."""
+    graph = {m: _imports(m, p) for m, p in MODULES.items()}
+    for goal in ("cptune.mixers._heads", "cptune.mixers._halo"):
+        seen, queue = {"cptune.models._build": ["cptune.models._build"]}, ["cptune.models._build"]
+        while queue and goal not in seen:
+            here = queue.pop(0)
+            for there in sorted(graph[here]):
+                if there not in seen and there.startswith(("cptune.models", "cptune.hf", "cptune.mixers")):
+                    seen[there] = seen[here] + [there]
+                    queue.append(there)
+        assert goal in seen, f"no walk from cptune.models._build to {goal} inside models/, hf/ and mixers/"
 
 
 def test_no_import_cycle_even_through_imports_inside_functions():

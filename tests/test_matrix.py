@@ -1,6 +1,6 @@
 """The support matrix (benchmarks/matrix.py) in CI: every family of this transformers, a tiny config from its own
 config class, under the ring and Ulysses (unpadded and packed) on 2 ranks and tp2·cp2 on 4; each cell exact or
-refused by name, the table in docs/transformers.md what the run printed. The layer rule (cptune/_mixers.py) names
+refused by name, the table in docs/transformers.md what the run printed. The layer rule (cptune/mixers/_rule.py) names
 every layer that mixes tokens outside attention in every entry point, before any rank or collective."""
 
 import subprocess
@@ -11,14 +11,16 @@ import torch.nn as nn
 
 import cptune
 from benchmarks import matrix as M
-from cptune import _paths, _mixers, models
+from cptune import models
+from cptune.mixers import _choice as _paths
+from cptune.mixers import _rule as _mixers
 
 transformers = pytest.importorskip("transformers")
 
 HYBRIDS = {"qwen3_next": ["heads"], "qwen3_5_text": ["heads"], "lfm2": ["halo"], "bamba": ["heads"],
            "falcon_h1": ["generic"], "jamba": ["generic"], "granitemoehybrid": ["heads"], "minimax": ["generic"],
            "zamba2": ["generic", "heads"]}
-"""Each hybrid family and the paths its mixers take (cptune._paths): Gated DeltaNet and Bamba-form Mamba2 split over
+"""Each hybrid family and the paths its mixers take (cptune.mixers._choice): Gated DeltaNet and Bamba-form Mamba2 split over
 heads, LFM2's short convolutions by a halo exchange, Falcon-H1's scaled Mamba2, Jamba's Mamba and MiniMax's
 lightning attention by the generic path; Zamba2's Mamba layers by heads, the Mamba layer inside each of its hybrid
 layers (fed the shared transformer's output, which trains through it) by the generic path."""
@@ -47,8 +49,9 @@ def test_every_cell_is_exact_or_refused_by_name_and_the_docs_hold_the_table(rank
             assert cell["status"] != "exact" or cell["paths"] == HYBRIDS[family], (family, label, cell)
     for family in SILENTLY_WRONG_BEFORE:  # on 4.56 Llama 4's MoE mixes tokens (the check refuses it), and Zamba2
         # builds its own mask for a shard (refused by name)
-        want = ("exact",) if not floor else ("exact", "refused: first-step check", "refused: attention_mask")
-        assert all(M.short(matrix[family][c]) in want for c in M.CP_CELLS), (family, matrix[family])
+        refused = ("refused: first-step check", "refused: attention_mask") if floor else ()
+        assert all(matrix[family][c]["status"] == "exact" or M.short(matrix[family][c]) in refused
+                   for c in M.CP_CELLS), (family, matrix[family])
     for family in [f for f in INDEXERS if f in matrix]:  # newer than 4.56
         assert all(M.short(matrix[family][c]) == "refused: sparse-attention indexer" for c in M.CP_CELLS), \
             (family, matrix[family])
@@ -63,14 +66,14 @@ def test_every_cell_is_exact_or_refused_by_name_and_the_docs_hold_the_table(rank
     if documented is not None and f"transformers {transformers.__version__})" in documented.splitlines()[0]:
         assert documented == M.table(matrix, transformers.__version__), "run python -m benchmarks.matrix --update-docs"
         # the first-step check skips what this run proved, and checks everything else
-        from cptune._hf_check import proven_families
+        from cptune.hf._check import proven_families
 
         major = transformers.__version__.split(".", 1)[0]
         assert list(proven_families()[major]) == M.proven(matrix), "run python -m benchmarks.matrix --update-docs"
 
 
 def _meta(family):
-    return models._empty_model(M.tiny_config(family))
+    return models.empty_model(M.tiny_config(family))
 
 
 @pytest.mark.parametrize("family,named,block", [

@@ -98,7 +98,7 @@ def test_what_runs_or_prices_dp_x_cp_only_refuses_tp_by_name(monkeypatch):
 
 
 def test_check_names_a_tp_the_heads_cannot_take_and_notes_one_across_nodes(tmp_path):
-    from cptune._recipe_check import check_recipe, recipe_notes
+    from cptune.cli._recipe_check import check_recipe, recipe_notes
     from cptune.recipe import Recipe
 
     data = load_recipe("recipes/cpu-2r-s1024-noncausal.yaml").model_dump(mode="json")  # 8 heads
@@ -222,7 +222,7 @@ def test_the_trainer_refuses_a_tp_configuration_by_name_before_it_builds_anythin
 def test_a_sequence_tp_cannot_split_is_named_before_any_rank_starts(tmp_path, monkeypatch):
     """Sequence parallelism splits each cp rank's tokens over tp: cp x tp must divide the sequence, said by name by
     the mesh, the search's space, a recipe's check and the scripts (a rank would otherwise meet it mid-forward)."""
-    from cptune._space import invalid_reason
+    from cptune.plan import invalid_reason
     from cptune.examples import train_llama_cp
 
     dims = ParallelDims(1, 1, 2, 2)
@@ -234,7 +234,7 @@ def test_a_sequence_tp_cannot_split_is_named_before_any_rank_starts(tmp_path, mo
     assert "do not split over cp=2 x tp=2" in invalid_reason(cptune.Workload(seq_len=6, heads=4), config, None)
     monkeypatch.setenv("WORLD_SIZE", "4")
     recipe = write_recipe(tmp_path / "r.yaml", cptune.Workload(seq_len=256, heads=4, kv_heads=2, head_dim=16), config)
-    from cptune._recipe_check import check_recipe
+    from cptune.cli._recipe_check import check_recipe
 
     short = load_recipe(recipe).model_copy(update={"workload": cptune.Workload(seq_len=6, heads=4, kv_heads=2)})
     assert [p.argument for p in check_recipe(short)] == ["workload.seq_len"], check_recipe(short)

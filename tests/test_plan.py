@@ -336,7 +336,7 @@ def test_the_step_model_prices_the_loss_as_it_is_built():
     token; ``loss: whole`` (``cptune search --loss whole``) the whole logits; under tp the head's matmul is split,
     and recomputed in backward. Issue 52's 70B case at 1M tokens fits 64 H100s, where the whole logits left nothing
     fitting."""
-    from cptune._head import chunk_tokens_for
+    from cptune.losses import chunk_tokens_for
 
     dims = _dims()
     ring = cptune.CPConfig(mesh_shape=(1, 4), rotate_method="alltoall", load_balance=True)

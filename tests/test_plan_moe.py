@@ -276,7 +276,7 @@ def test_a_failed_meta_build_never_names_the_installed_release(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", refuse)
     with pytest.raises(cptune.ValidationError) as caught:
-        models._empty_model(models.load_config(QWEN3_MOE), structure_only=True)
+        models.empty_model(models.load_config(QWEN3_MOE), structure_only=True)
     fix = caught.value.problems[0].fix
     if version_tuple(transformers.__version__) >= (5, 25, 0):
         assert "pip install -U transformers" not in fix and "plans it from the config's fields" in fix, fix

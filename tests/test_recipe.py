@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import cptune
 from cptune.cli import main
-from cptune._catalog import index_text
+from cptune.cli._catalog import index_text
 from cptune._env import environment
 from cptune.recipe import Launch, Metrics, Provenance, Recipe, load_recipe, save_recipe
 

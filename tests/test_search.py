@@ -12,8 +12,8 @@ import torch.distributed as dist
 import cptune
 from cptune.search import MeasureSettings, Workload, all_configs, config_key, pytorch_default
 from cptune.search.memory import predict_peak
-from cptune._sizes import format_size, parse_size
-from cptune._space import invalid_reason, mesh_shapes
+from cptune.sizes import format_size, parse_size
+from cptune.plan import invalid_reason, mesh_shapes
 
 GiB = 2**30
 

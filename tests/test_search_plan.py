@@ -8,9 +8,9 @@ import cptune
 from cptune.recipe import recipe_from_search
 from cptune.search import MeasureSettings
 from cptune.search.guide import MIN_TRIALS, SKIPPED, Guide
-from cptune._space import config_from
+from cptune.plan import config_from
 from cptune.search.space import axes
-from cptune._space import config_key
+from cptune.plan import config_key
 
 QUICK = MeasureSettings(warmup=1, min_repeats=2, max_repeats=3, min_seconds=0.3)
 AC_AUTO = dict(seq_len=2048, layers=2, heads=8, head_dim=64, ac="auto")

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import cptune
-from cptune import _tp_shards, models
-from cptune._parallelize import PER_HEAD
+from cptune import models
+from cptune.models import _tp_shards
+from cptune.models._parallelize import PER_HEAD
 from cptune.hf import causal_lm_loss
 from cptune.mesh import ParallelDims
 from benchmarks import matrix as M
@@ -137,7 +138,7 @@ def _layer(family: str, plan: dict[str, str]):
     plan: the plans other transformers releases write, on this release's modules."""
     config = M.tiny_config(family)
     config.base_model_tp_plan = {f"layers.*.{key}": style for key, style in plan.items()}
-    return config, models.decoder_layers(models._empty_model(config))
+    return config, models.decoder_layers(models.empty_model(config))
 
 
 ATTENTION = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -150,11 +151,11 @@ def test_the_plans_of_every_release_are_read_by_one_rule():
     norm over every head beside column-parallel projections (OLMo2 under a plan that does not gather them) is
     refused; beside gathered ones it stays whole. A block split column-wise and never joined (4.56's Starcoder2),
     and an MoE block split expert by expert (4.56's Mixtral), are refused by name."""
-    from cptune import _parallelize as P
+    from cptune.models import _parallelize as P
 
     config, layers = _layer("qwen3", ATTENTION)
     assert P.layer_plan(config, layers) == {**ATTENTION, "self_attn.q_norm": PER_HEAD, "self_attn.k_norm": PER_HEAD}
-    assert models.tp_problems(config, 2, model=models._empty_model(config)) == []
+    assert models.tp_problems(config, 2, model=models.empty_model(config)) == []
     config, _ = _layer("olmo2", ATTENTION)
     assert any("leaves self_attn.k_norm, self_attn.q_norm whole beside" in str(p) for p in models.tp_problems(config, 2))
     gathered = {**ATTENTION, **{f"self_attn.{m}_proj": "colwise_gather_output" for m in "qkv"},

@@ -181,7 +181,7 @@ def test_hf_trainer_under_cp_equals_a_one_process_trainer(tmp_path, nproc, mesh,
     import torch
 
     _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=64), mesh, "examples/train_hf_trainer.py")
-    from cptune._hf_trainer import takes_sharded_models
+    from cptune.hf._trainer import takes_sharded_models
 
     if "--no-fsdp" not in extra and not takes_sharded_models():  # transformers 4.x: refused by name, at once
         done = subprocess.run([*torchrun(nproc), TRAINER, "--recipe", "r.yaml", *extra, "--out", "cp.pt"],
@@ -221,7 +221,7 @@ def test_hf_trainer_refuses_a_padding_collator_by_name(tmp_path):
 
 
 def test_check_says_when_a_rank_here_cannot_hold_the_measured_peak(tmp_path):
-    from cptune._recipe_check import check_recipe
+    from cptune.cli._recipe_check import check_recipe
 
     path = _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=64), (1, 2))
     recipe = cptune.load_recipe(path)

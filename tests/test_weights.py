@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import cptune
-from cptune import _weights, models
+from cptune import models
+from cptune.models import _weights
 
 transformers = pytest.importorskip("transformers")
 

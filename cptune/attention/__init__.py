@@ -9,7 +9,8 @@ cptune's masked ring (``_masked_ring``), Ulysses (``_ulysses``), the sequence la
 Data flows one way: the block (``cptune._session``) resolves everything once into a
 :class:`Setup` and passes it down; nothing here imports or calls the block. torch's private
 code is reached only through ``cptune._torch_cp``. The names below are what the rest of cptune
-uses; the package is internal (the public ones are re-exported by ``cptune``).
+uses (benchmarks too: PyTorch's own CP module through :func:`require_cp`); the package is internal (the public
+ones are re-exported by ``cptune``).
 """
 
 from ._attend import RING_ATTENTION_OPS, Setup, attend, ring_positions
@@ -17,17 +18,22 @@ from ._blocks import needs
 from ._documents import as_rows, check_window, chunked, dense_mask, document_problems, documents_from_cu_seqlens, \
     documents_from_eos, documents_from_lengths, documents_from_position_ids, lengths_from_spec, \
     packed_documents, positions_in_documents, read_spec, token_work, work_chunks
-from ._hooks import ForwardRecord, recording
-from ._kernels import RING_BACKENDS, SDPA_BACKENDS, SDPA_KERNELS, backend_problem, default_backends, pick_backend
+from ._hooks import ForwardRecord, counting, recording
+from ._kernels import RING_BACKENDS, SDPA_BACKENDS, SDPA_KERNELS, backend_problem, default_backends, pick_backend, \
+    ring_backend_problem
+from ._ring import ring_attention
 from ._routing import Route, SDPAMode, patched_sdpa, unwrap
 from ._sharding import Layout, gather, shard
-from ._ulysses import ULYSSES_OPS, hybrid_groups, kv_replication, release_groups
+from ._ulysses import ULYSSES_OPS, heads_to_seq, hybrid_groups, kv_replication, release_groups, seq_to_heads
+from .._torch_cp import require_cp
 
 __all__ = [
-    "ForwardRecord", "Layout", "RING_ATTENTION_OPS", "RING_BACKENDS", "Route", "SDPAMode", "SDPA_BACKENDS",
-    "SDPA_KERNELS", "Setup", "ULYSSES_OPS", "as_rows", "attend", "backend_problem", "check_window", "chunked",
-    "default_backends", "dense_mask", "document_problems", "documents_from_cu_seqlens", "documents_from_eos",
-    "documents_from_lengths", "documents_from_position_ids", "gather", "hybrid_groups", "kv_replication",
-    "lengths_from_spec", "needs", "packed_documents", "patched_sdpa", "pick_backend", "positions_in_documents", "read_spec", "recording",
-    "release_groups", "ring_positions", "shard", "token_work", "unwrap", "work_chunks",
+    "RING_ATTENTION_OPS", "RING_BACKENDS", "SDPA_BACKENDS", "SDPA_KERNELS", "ULYSSES_OPS", "as_rows", "attend",
+    "backend_problem", "check_window", "chunked", "counting", "default_backends", "dense_mask",
+    "document_problems", "documents_from_cu_seqlens", "documents_from_eos", "documents_from_lengths",
+    "documents_from_position_ids", "ForwardRecord", "gather", "heads_to_seq", "hybrid_groups", "kv_replication",
+    "Layout", "lengths_from_spec", "needs", "packed_documents", "patched_sdpa", "pick_backend",
+    "positions_in_documents", "read_spec", "recording", "release_groups", "require_cp", "ring_attention",
+    "ring_backend_problem", "ring_positions", "Route", "SDPAMode", "seq_to_heads", "Setup", "shard",
+    "token_work", "unwrap", "work_chunks",
 ]

@@ -8,3 +8,7 @@
 Each runs under ``python`` (one process, the reference) or ``torchrun``; the files in the repository's
 ``examples/`` folder run the same code.
 """
+
+from . import _options as options  # the options the scripts share (the repository's own example scripts take them too)
+
+__all__ = ["options"]

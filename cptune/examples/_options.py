@@ -1,7 +1,7 @@
-"""What the training scripts take, as click options of cptune's checked types (``cptune._cli_types``), and the checks
+"""What the training scripts take, as click options of cptune's checked types (``cptune.cli._types``), and the checks
 that read them together: every value is refused by name, with its fix, before a rank starts or a model is built.
 
-Each script is a :class:`~cptune._cli_types.Script` command: a bad value is click's usage error naming the flag
+Each script is a :class:`~cptune.cli._types.Script` command: a bad value is click's usage error naming the flag
 (exit 2), a :class:`~cptune.CPTuneError` the script's one error line naming the flag (exit 1), as ``cptune``'s own
 commands say them. ``tests/test_cli_walk.py`` walks every option of every script as it walks ``cptune``'s.
 """
@@ -13,11 +13,11 @@ from typing import Any
 
 import click
 
-from .._cli_types import (COUNT, DOCUMENTS, FINITE_RATE, FOLDER, KEY_VALUE, RECIPE, InputFile, OneOf, OutputFile,
+from cptune.cli import (COUNT, DOCUMENTS, FINITE_RATE, FOLDER, KEY_VALUE, RECIPE, InputFile, OneOf, OutputFile,
                           Script, Whole)
-from ..errors import Problem, ValidationError, raise_if
-from ..mesh import ParallelDims
-from ..workload import AC_MODES
+from cptune.errors import Problem, ValidationError, raise_if
+from cptune.mesh import ParallelDims
+from cptune.workload import AC_MODES
 
 recipe = click.option("--recipe", "recipe_path", type=RECIPE, default=None, envvar="CPTUNE_RECIPE",
                       show_envvar=True, help="Recipe file (default: $CPTUNE_RECIPE, else no CP).")
@@ -52,7 +52,7 @@ def read_recipe(path: str | None) -> Any:
     """The recipe (checked whole by :func:`cptune.load_recipe`), or None."""
     if path is None:
         return None
-    from ..recipe import load_recipe
+    from cptune.recipe import load_recipe
 
     return load_recipe(path)
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import cptune
 import cptune.hf
 from cptune import models
-from cptune._preflight import script_check
+from cptune.cli import script_check
 from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import _options as options
 from cptune.hf import causal_lm_loss

@@ -42,7 +42,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import cptune
-from cptune._preflight import script_check
+from cptune.cli import script_check
 from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import _options as options
 

@@ -43,7 +43,7 @@ class MixerDims(StrictModel):
     """One such layer's parameters, in place of attention's q, k, v and o."""
 
     def fits(self, cp: int) -> bool:
-        """Whether the split path runs these layers under ``cp`` ranks (:func:`cptune._paths.path`'s rule)."""
+        """Whether the split path runs these layers under ``cp`` ranks (:func:`cptune.mixers._choice.path`'s rule)."""
         return self.heads == 0 or self.heads % cp == 0
 
 

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 from ..config import StrictModel
 from .._files import read_json_object
 from ..errors import Problem, ProblemError, ValidationError
-from .._sizes import parse_size
+from ..sizes import parse_size
 
 PROFILES = Path(__file__).with_name("profiles")
 

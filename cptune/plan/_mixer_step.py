@@ -1,6 +1,6 @@
 """The step model's terms for a hybrid's layers that mix tokens outside softmax attention (Gated DeltaNet, Mamba2,
 short convolutions: :class:`~cptune.plan._dims.MixerDims`), per rank and per such layer, on the path cptune takes
-(:mod:`cptune._paths`):
+(:mod:`cptune.mixers._choice`):
 
 * ``heads`` (Gated DeltaNet, Mamba2 where their heads divide by cp): the projections on this rank's tokens, the
   recurrence on cp-th of the heads over the whole sequence (the same FLOPs and activations per rank as S/cp tokens
@@ -28,7 +28,7 @@ from ._dims import MixerDims
 
 
 def path(mixer: MixerDims, cp: int, mixers: str) -> str:
-    """The path ``mixer``'s layers take under ``cp`` ranks and ``CPConfig.mixers`` (:func:`cptune._paths.path`'s
+    """The path ``mixer``'s layers take under ``cp`` ranks and ``CPConfig.mixers`` (:func:`cptune.mixers._choice.path`'s
     rule on the config's numbers)."""
     if cp == 1:
         return "local"

@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from .._defaults import BUDGET_FRACTION
+from ..workload import BUDGET_FRACTION
 from .._env import process_backend
 from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
-from .._sizes import format_rate, format_size
-from .._space import AC_MODES, configurations, model_limits, tp_degrees, transformers_missing
+from ..sizes import format_rate, format_size
+from ._space import AC_MODES, configurations, model_limits, tp_degrees, transformers_missing
 from ..workload import Workload
 from ._calibrate import Calibration
 from ._dims import ModelDims
@@ -103,7 +103,7 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     """Predict every configuration of ``gpus`` GPUs (``gpus_per_node`` per node) for ``dims`` on ``workload``'s
     sequences, tensor parallelism up to ``max_tp`` inside a node (None: a node's GPUs; 1: dp x cp only); ranked
     by predicted tokens/s per GPU, those that fit ``budget`` (default:
-    :data:`~cptune._defaults.BUDGET_FRACTION` of the GPU's memory) first."""
+    :data:`~cptune.workload.BUDGET_FRACTION` of the GPU's memory) first."""
     problems = []
     if gpus < 1:
         problems.append(Problem("gpus", f"is {gpus}", "give the number of GPUs, e.g. 64"))

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from .. import _tp_shards
-from .._head import chunk_tokens_for
-from .._sizes import format_size
+from ..models import keeps_tp_shards
+from ..losses import chunk_tokens_for
+from ..sizes import format_size
 from ..attention import Layout, documents_from_lengths, kv_replication, lengths_from_spec, needs, token_work, \
     work_chunks
 from ..config import CPConfig, decide_load_balance
@@ -216,8 +216,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     mlp = _experts.mlp_terms(dims.experts, dims.ffn, h, L, tp, e)  # the MLPs' (an MoE's top-k experts, its router)
     gathered_in = 2 * h if tp > 1 else 0  # per token: the attention's and the MLP's whole inputs
     # kept for backward: whole under compile; as this tp rank's shard without AC (gathered again in backward,
-    # cptune._tp_shards); under AC the recompute gathers them again
-    keep_shards = tp > 1 and _tp_shards.applies(point.ac, w.compile)
+    # cptune.models.keeps_tp_shards); under AC the recompute gathers them again
+    keep_shards = tp > 1 and keeps_tp_shards(point.ac, w.compile)
     kept_in = gathered_in / tp if keep_shards else gathered_in
     kv_heads = dims.attended_kv_heads // tp
     heads = dims.heads // tp

@@ -16,7 +16,7 @@ from .records import TrialRecord
 from .result import SearchResult
 from .run import search
 from .settings import MeasureSettings, SearchSettings
-from .._space import config_key
+from ..plan import config_key
 from .space import all_configs, pytorch_default
 
 __all__ = ["DEFAULT_STORAGE", "MeasureSettings", "SearchInterrupted", "SearchResult", "SearchSettings",

@@ -30,7 +30,7 @@ from .records import DOMINATED_ATTR, INTERRUPTED, PLAN_ATTR, TrialRecord, domina
     over_budget_reason, pruned_reason, record_from
 from .result import SearchResult
 from .settings import SearchSettings
-from .._space import config_from, config_key, invalid_reason, mesh_shapes
+from ..plan import config_from, config_key, invalid_reason, mesh_shapes
 from .space import axes, pytorch_default, tp_degrees
 from .study import default_study_name, finished, get_storage, open_study, question, records, result_from_study, \
     running

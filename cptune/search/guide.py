@@ -14,13 +14,12 @@ from __future__ import annotations
 from ..config import CPConfig
 from ..errors import CPTuneError, Problem, ValidationError
 from ..plan import Calibration, Point, Prediction, calibrate, predict
-from ..plan._dims import dims_from_workload
-from ..plan._hardware import for_device
-from .._sizes import format_rate, format_size
+from ..plan import dims_from_workload, for_device
+from ..sizes import format_rate, format_size
 from ..workload import Workload
 from .memory import PRUNE_FACTOR
 from .racing import INDIFFERENCE
-from .._space import AC_MODES, config_key
+from ..plan import AC_MODES, config_key
 from .space import all_configs
 
 MIN_TRIALS = 3

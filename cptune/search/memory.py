@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from .._defaults import BUDGET_FRACTION
+from ..workload import BUDGET_FRACTION
 from .._env import total_device_memory
 from ..attention import kv_replication
 from ..config import CPConfig, decide_load_balance
-from ..plan._step import kept_attention_layer, ring_blocks, ring_buffer_bytes
+from ..plan import kept_attention_layer, ring_blocks, ring_buffer_bytes
 from ..workload import Workload
 
 PRUNE_FACTOR = 1.5

@@ -8,8 +8,8 @@ from typing import Any
 import optuna
 
 from ..config import CPConfig
-from .._sizes import format_rate, format_size
-from .._space import AC_MODES, config_key
+from ..sizes import format_rate, format_size
+from ..plan import AC_MODES, config_key
 from .memory import PRUNE_FACTOR
 
 

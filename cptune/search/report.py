@@ -9,7 +9,7 @@ import optuna
 
 from ..errors import Problem, ValidationError
 from .study import get_storage, result_from_study
-from .._sizes import format_size
+from ..sizes import format_size
 from .result import SearchResult
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._sizes import format_rate, format_size
+from ..sizes import format_rate, format_size
 from ..workload import Workload
 from .racing import INDIFFERENCE, TIE_RULE, summary
 from .records import TrialRecord

@@ -10,10 +10,10 @@ import optuna
 import torch
 import torch.distributed as dist
 
-from .._defaults import MEMORY_MARGIN, TRIAL_TIMEOUT_S
+from ..workload import MEMORY_MARGIN, TRIAL_TIMEOUT_S
 from .._env import environment
 from ..errors import Problem, ValidationError, raise_if
-from .._sizes import parse_size
+from ..sizes import parse_size
 from ..workload import Workload
 from .driver import Progress, run_study
 from .evaluate import LocalEvaluator, MeasureFn, SPMDEvaluator

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pydantic import Field
 
-from .._defaults import MEMORY_MARGIN, TRIAL_TIMEOUT_S
+from ..workload import MEMORY_MARGIN, TRIAL_TIMEOUT_S
 from ..config import StrictModel
 
 

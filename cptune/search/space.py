@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass
 
 from ..config import CPConfig, decide_load_balance
-from .._space import AC_MODES, ROTATE_METHODS, configurations, meshes, mixer_choices, model_limits, \
-    strategies, tp_degrees as degrees, usable_backends
+from ..plan import AC_MODES, ROTATE_METHODS, configurations, mesh_shapes, meshes, mixer_choices, \
+    model_limits, strategies, tp_degrees as degrees, usable_backends  # noqa: F401 (mesh_shapes: benchmarks.run's)
 from ..workload import Workload
 
 
@@ -34,7 +34,7 @@ class Axis:
 
 def tp_degrees(workload: Workload, nproc_per_node: int, world_size: int, max_tp: int) -> tuple[int, ...]:
     """The tensor-parallel degrees a search tries: 1, and for a ``--model`` workload each degree the world takes
-    inside a node up to ``max_tp`` (:func:`cptune._space.tp_degrees`, as the plan's) that the model's own TP plan can
+    inside a node up to ``max_tp`` (:func:`cptune.plan._space.tp_degrees`, as the plan's) that the model's own TP plan can
     split (:func:`cptune.models.tp_problems`: its styles, heads, key/value heads and intermediate size)."""
     if max_tp == 1 or workload.model is None:
         return (1,)

@@ -15,8 +15,8 @@ from .. import models
 from ..config import CPConfig
 from ..hf import causal_lm_loss, check, enable
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
-from .._loss import packed_labels_and_positions
-from .._meshes import model_mesh, world_mesh
+from ..losses import packed_labels_and_positions
+from ..mesh import model_mesh, world_mesh
 from ..mesh import ParallelDims
 from ..errors import CPTuneError, Problem, ValidationError
 from ..workload import Workload

@@ -24,7 +24,7 @@ from .memory import PRUNE_FACTOR
 from .records import DOMINATED_ATTR, INTERRUPTED, PLAN_ATTR, TrialRecord, dominating, record_from
 from .result import SearchResult
 from .settings import MeasureSettings
-from .._defaults import MEMORY_MARGIN
+from ..workload import MEMORY_MARGIN
 from .space import pytorch_default
 
 DEFAULT_STORAGE = "sqlite:///cptune.db"
