@@ -8,7 +8,7 @@ under the ring (unpacked) and Ulysses (packed), in float32 and in bfloat16: the 
 which only rounding makes (another order of the same sums), as a share of what the check allows it (at least the
 dtype's ``cptune.verify.TOLERANCE``, or ``MARGIN`` times what perturbing one process's rounding moves it). Beside
 them, the four ways families trained wrong or crashed before cptune's fixes (Llama 4's shard positions, Zamba2's cut
-gradient, the DSA and QSA indexers vouched for; :func:`broken`): whether the check refused each.
+gradient, the DSA and QSA indexers vouched for; ``tests/_broken.py``): whether the check refused each.
 
 Cost: a Llama-shaped model (hidden 1024, 8 layers, 16 heads, vocab 32000, float32), 2 ranks as ``train_hf`` runs it
 (cp2 ring load balanced, FSDP2, full AC), 8192 tokens: the check up front then two steps, against two steps alone,

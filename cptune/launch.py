@@ -19,14 +19,17 @@ such as TORCH_LOGS, are read from the environment of the first group's start.)
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -51,8 +54,6 @@ class GroupLost(CPTuneError):
 
 def describe_exit(code: int | None) -> str:
     """A process's exit status in words: 'exit code 1', 'killed by SIGABRT', 'still running'."""
-    import signal
-
     if code is None:
         return "still running"
     if code < 0:
@@ -71,9 +72,9 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_timeout: float,
             jobs: Any, results: Any, env: dict[str, str]) -> None:
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole terminal group: the parent decides
+    if hasattr(signal, "pthread_sigmask"):  # the fork server has it blocked (_start_server): what this rank starts
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # gets Ctrl-C as usual
     os.environ.clear()  # the parent's environment as it is now, not the fork server's from when it started
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -122,6 +123,73 @@ def _context() -> Any:
     return ctx
 
 
+def _start_server(ctx: Any) -> None:
+    """Start the fork server unless it runs, with SIGINT blocked, as multiprocessing starts its resource tracker.
+
+    A Ctrl-C reaches the terminal's whole process group. The server ignores it once it has imported its preload,
+    but during that import (seconds: torch) it would die of it, with a traceback; blocked, the signal waits in the
+    server until it is ignored there. This process gets its own as soon as it unblocks."""
+    if ctx.get_start_method() != "forkserver" or not hasattr(signal, "pthread_sigmask"):
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # it unblocks SIGINT when it starts itself: first, outside the block
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held while the ranks are forked, then delivered as if they had come right after.
+
+    A signal raised inside ``Process.start`` after the fork server forked a rank, but before the rank's handle
+    exists, would leave a rank no one can kill or wait for (and the parent waits there while the server first
+    imports torch). Python runs a handler in the main thread only: in another, there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)
+           if signal.getsignal(s) is not None}  # None: a handler from C, which Python could not put back
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(got):
+            signal.raise_signal(s)
+
+
+def stop_helpers() -> None:
+    """Stop the fork server the ranks start from and multiprocessing's resource tracker, and wait until both exit.
+
+    For a program about to exit (``cptune search``, at exit): both outlive a group on purpose, for the next one,
+    and otherwise end only after this process has (they ignore Ctrl-C and wait for their pipe to close), so the
+    program would return with them still running. Not for a library call: they are the process's, shared with its
+    other groups and any multiprocessing user. Does nothing while a process this one started lives (a group not
+    closed: they serve it). A later group starts them again."""
+    # multiprocessing has no public way to stop either: _stop() (closes the pipe, waits) is what its own tests use
+    import gc
+    from multiprocessing import forkserver, resource_tracker
+
+    if mp.active_children():
+        return
+    server, tracker = getattr(forkserver, "_forkserver", None), getattr(resource_tracker, "_resource_tracker", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:  # with its ranks gone it holds nothing; left to exit, its teardown of torch takes a second
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    gc.collect()  # the groups' queues: their semaphores are unlinked now, not left to the tracker to call leaked
+    for helper in (server, tracker):
+        stop = getattr(helper, "_stop", None)
+        if stop is not None:
+            with contextlib.suppress(ChildProcessError):  # already waited for
+                stop()
+
+
 class WorkerGroup:
     """N local ranks in one process group, reused for many jobs."""
 
@@ -160,8 +228,10 @@ class WorkerGroup:
                                     self._jobs[r], self._results, env))
             for r in range(self.nproc)
         ]
-        for p in self._procs:
-            p.start()
+        _start_server(self._ctx)
+        with _signals_held():
+            for p in self._procs:
+                p.start()
         self.launches += 1
         self._collect(-1, self.timeout, "start-up")
 
@@ -170,7 +240,8 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
         for p in self._procs:
-            p.join(timeout=10)
+            if p.pid is not None:  # started (a failed start leaves the rest unstarted)
+                p.join(timeout=10)
         self._procs = []
         for q in [*self._jobs, self._results]:
             if q is not None:

@@ -19,19 +19,47 @@ def _children(pid):
     return [int(x) for x in out.split()]
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
-    return state not in ("Z", "X")
+def _descendants(pid):
+    """The processes ``pid`` started, and theirs: the resource tracker, the fork server and the ranks it forked."""
+    found = _children(pid)
+    return found + [d for c in found for d in _descendants(c)]
+
+
+def _group(pgid):
+    """(pid, state, command) of every process /proc lists in process group ``pgid``. A zombie counts: it is listed
+    until its parent waits for it, and a process the search waited for is not listed at all."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+            if stat and int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
+                found.append((int(entry), stat.split()[2], Path(f"/proc/{entry}/cmdline").read_text()[:120]))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _exited_leaving_nothing(proc, started, own_group):
+    """Wait for the search to exit (not for its stderr to close: every process it started holds that) and check
+    at once that nothing it started is left: none of ``started``, nor anything of its process group when it has
+    one of its own (``own_group``, as a terminal's command has)."""
+    proc.wait(timeout=60)
+    if own_group:
+        assert not (left := _group(proc.pid)), left  # the group Ctrl-C reaches
+    assert not (left := [p for p in started if os.path.exists(f"/proc/{p}")]), left
 
 
 def _stop_cleanly(proc, sig, code, seen):
-    """Send ``sig`` to a running `cptune search`; check it stopped cleanly. Returns the stop line."""
-    ranks = _children(proc.pid)
-    proc.send_signal(sig)
+    """Send ``sig`` to a running `cptune search` (to its whole process group when it runs in a session of its own,
+    as a terminal's Ctrl-C does); check it stopped cleanly and left no process. Returns the stop line."""
+    started = _descendants(proc.pid)
+    assert len(started) >= 4, started  # the tracker, the fork server and the 2 ranks
+    own_group = os.getpgid(proc.pid) == proc.pid
+    if own_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    _exited_leaving_nothing(proc, started, own_group)
     out, err = proc.communicate(timeout=60)
     err = "".join(seen) + err
     assert proc.returncode == code, err
@@ -39,8 +67,6 @@ def _stop_cleanly(proc, sig, code, seen):
     stop = [x for x in err.splitlines() if x.startswith("cptune search: stopped by")]
     assert len(stop) == 1 and "trial(s) stored in study" in stop[0] and "resume with: " in stop[0], err
     assert stop[0].split("resume with: ")[1] == shlex.join(["cptune", *proc.args[3:]])  # retypable, not __main__.py
-    time.sleep(0.5)
-    assert ranks and not any(_alive(p) for p in ranks)  # the ranks were reaped
     return stop[0]
 
 
@@ -48,9 +74,9 @@ SEARCH = ["-m", "cptune", "search", "--seq-len", "256", "--heads", "2", "--head-
           "--workload", "tests.test_interrupts:paced_step", "--exhaustive"]  # every config runs: none skipped by plan
 
 
-def _held_search(tmp_path, when, launcher=None):
-    """A real `cptune search` subprocess over :func:`paced_step` (``launcher``: run under it, in a
-    session of its own). Once a progress line passes ``when(done, total)``, the test holds the next
+def _held_search(tmp_path, when, launcher=None, session=False):
+    """A real `cptune search` subprocess over :func:`paced_step` (``launcher``: run under it; with it or
+    ``session``, in a session of its own). Once a progress line passes ``when(done, total)``, the test holds the next
     step being built (a file the step waits on) until the signal comes, so the signal lands
     mid-measurement on any machine. Returns (proc, lines seen, total, command, env)."""
     storage = f"sqlite:///{tmp_path / 's.db'}"
@@ -58,7 +84,7 @@ def _held_search(tmp_path, when, launcher=None):
     cmd += ["--storage", storage]
     env = {**os.environ, "CPTUNE_TEST_HOLD": str(tmp_path / "hold"), "PYTHONPATH": os.getcwd()}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=launcher is not None)
+                            start_new_session=launcher is not None or session)
     seen = []
     while True:
         line = proc.stderr.readline()
@@ -78,7 +104,10 @@ def _held_search(tmp_path, when, launcher=None):
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130)])  # SIGTERM: the race's test, and torchrun's
 def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, code):
-    proc, seen, total, cmd, env = _held_search(tmp_path, lambda done, total: done < total)  # a screening trial is held
+    """Ctrl-C to the search's process group mid-trial: the one stop line, exit 130, and the command returns only
+    once every process it started (the ranks, the fork server, the resource tracker) has exited."""
+    proc, seen, total, cmd, env = _held_search(tmp_path, lambda done, total: done < total,  # a screening trial held
+                                               session=True)
     name = _stop_cleanly(proc, sig, code, seen).split("in study ")[1].split(";")[0]
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / 's.db'}")
     states = [t.state for t in study.trials]
@@ -93,6 +122,26 @@ def test_signal_stops_cleanly_and_resume_measures_every_config(tmp_path, sig, co
     assert f"{total - before} trial(s) run now" in resumed.stdout  # the interrupted one is measured again
     table = resumed.stdout.split("-----")[-1]
     assert table.count(" yes ") == total, resumed.stdout  # every configuration has its measurement
+
+
+def test_ctrl_c_while_the_ranks_start_stops_cleanly(tmp_path):
+    """Ctrl-C to the group while the fork server first imports torch: it reaches the server too, which must not die
+    of it (a traceback, the search failing), and a rank being forked must not be left behind."""
+    cmd = [sys.executable, "-m", "cptune", "search", "--seq-len", "256", "--nproc", "2",
+           "--storage", f"sqlite:///{tmp_path / 's.db'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.getcwd()},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not any("forkserver" in command for _, _, command in _group(proc.pid)):
+        assert time.monotonic() < deadline and proc.poll() is None, "no fork server started"
+        time.sleep(0.01)
+    started = _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGINT)
+    _exited_leaving_nothing(proc, started, own_group=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert len([x for x in err.splitlines() if x.startswith("cptune search: stopped by SIGINT")]) == 1, err
 
 
 def slow_second_trial(workload, config, settings):

@@ -178,3 +178,9 @@ def test_launch_names_a_bad_tp_override_once_before_any_rank_starts(tmp_path):
     assert run.stderr.count("4 does not divide the 6 query heads") == 1, run.stderr
     assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr and "torch.distributed" not in \
         run.stderr, run.stderr
+    # tp 2 leaves 3 heads a rank, which 2 Ulysses ranks do not split: one message too, before torchrun
+    run = subprocess.run([sys.executable, "-m", "cptune", "launch", str(recipe), "config.mesh_shape=[1,1,2,2]",
+                          "config.strategy=ulysses", "--", "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and run.stderr.count("2 Ulysses ranks do not divide the 3 query heads") == 1, \
+        run.stderr
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr

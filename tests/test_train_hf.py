@@ -59,9 +59,7 @@ def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_che
     # the same recipe launched as tp2·cp2 (the model split by its own TP plan, FSDP2 over cp): the same losses,
     # its tensor-parallel checkpoint resumed
     tp = ["config.mesh_shape=[1,1,2,2]", "--", SCRIPT, "--batch", "2", "--checkpoint-dir", "tp"]
-    first = run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "2", "--losses-out", "c.json",
-                 "--check", "always"], tmp_path)
-    assert "under dp1·cp2·tp2" in first.stdout and "exact;" in first.stdout, first.stdout
+    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "2", "--losses-out", "c.json"], tmp_path)
     run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "3", "--resume", "--losses-out",
          "d.json"], tmp_path)
     c, d = losses(tmp_path / "c.json"), losses(tmp_path / "d.json")

@@ -3,6 +3,7 @@ each rank of a torchrun job leaves it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -180,6 +181,8 @@ def _search(workload, lengths, is_rank0, *, nproc, device, memory_budget, memory
     from ..recipe import command_line
     from ..search.interrupts import Interrupts, SearchInterrupted
 
+    atexit.unregister(_end_helpers)  # once, however many searches this process runs
+    atexit.register(_end_helpers)
     results = []
     try:  # a signal while the result is printed or the recipe written is held to the end, then stops too
         with Interrupts() if is_rank0 else contextlib.nullcontext():
@@ -194,3 +197,17 @@ def _search(workload, lengths, is_rank0, *, nproc, device, memory_budget, memory
     except SearchInterrupted as exc:
         click.echo("\n" + exc.after(results).message(command_line()), err=True)
         sys.exit(exc.exit_code)
+
+
+def _end_helpers() -> None:
+    """The command's last act, at exit: the fork server its ranks came from and multiprocessing's resource tracker
+    end before this process does, not after it, when the shell's next command could find them. At exit rather than
+    as the search returns: by then the semaphores of the ranks' queues are freed (else the tracker would call them
+    leaked), and a caller that runs the command in its own process (a test) keeps both for its other groups until
+    it ends. A second Ctrl-C meanwhile is ignored: the exit code is decided."""
+    import signal
+
+    from ..launch import stop_helpers
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop_helpers()

@@ -41,133 +41,136 @@ class _Checked(click.ParamType):
             self.fail("; ".join(f"{p.message}. Fix: {p.fix}" for p in exc.problems), param, ctx)
 
 
-class Size(_Checked):
+class _Read(_Checked):
+    """A value a library rule reads (raising its ValidationError), given to the command as it was typed."""
+
+    def rule(self, value: str) -> Any:
+        raise NotImplementedError
+
+    def read(self, value: str) -> str:
+        self.rule(value)
+        return value
+
+
+class _Matching(_Checked):
+    """A value of one written form (``pattern``, a regular expression the whole value matches, and ``accept`` of the
+    match), else ``argument``'s problem: the value, ``what`` it is not, and the ``fix``."""
+
+    pattern = argument = what = fix = ""
+
+    def accept(self, match: re.Match) -> bool:
+        return True
+
+    def read(self, value: str) -> str:
+        match = re.fullmatch(self.pattern, value)
+        if not match or not self.accept(match):
+            raise ValidationError([Problem(self.argument, f"{value!r} {self.what}", self.fix)])
+        return value
+
+
+class _Integers(_Checked):
+    """Positive integers, comma-separated (digits only): ``count`` of them (None: one or more)."""
+
+    count: int | None = None
+    argument = what = fix = ""
+
+    def read(self, value: str) -> list[int]:
+        parts = [x.strip() for x in value.split(",")]
+        found = [int(x) for x in parts] if all(re.fullmatch(r"[0-9]+", x) and int(x) > 0 for x in parts) else None
+        if found is None or self.count is not None and len(found) != self.count:
+            raise ValidationError([Problem(self.argument, f"cannot read {value!r} as {self.what}", self.fix)])
+        return found
+
+
+class Size(_Read):
     """A memory size with its unit: 70GiB, 512MiB, 2GB."""
 
     name = "size"
 
-    def read(self, value: str) -> str:
+    def rule(self, value: str) -> Any:
         from ..sizes import parse_size
 
-        parse_size(value, "size")
-        return value
+        return parse_size(value, "size")
 
 
-def _positive_integers(value: str) -> list[int] | None:
-    """'8192' or '8192, 16384' as positive integers (digits only), or None."""
-    parts = [x.strip() for x in value.split(",")]
-    return [int(x) for x in parts] if all(re.fullmatch(r"[0-9]+", x) and int(x) > 0 for x in parts) else None
-
-
-class Lengths(_Checked):
+class Lengths(_Integers):
     """One or more positive integers, comma-separated: 8192 or 8192,16384,32768."""
 
-    name = "lengths"
-
-    def read(self, value: str) -> list[int]:
-        lengths = _positive_integers(value)
-        if lengths is None:
-            raise ValidationError([Problem("lengths", f"cannot read {value!r} as positive lengths",
-                                           "give a length like 8192, or several like 8192,16384,32768")])
-        return lengths
+    name, argument, what = "lengths", "lengths", "positive lengths"
+    fix = "give a length like 8192, or several like 8192,16384,32768"
 
 
-class Dims(_Checked):
+class Dims(_Integers):
     """Six positive integers: layers, hidden, heads, kv heads, ffn, vocab."""
 
-    name = "dims"
+    name, argument, what, count = "dims", "dims", "six positive integers", 6
+    fix = "give layers, hidden, heads, kv heads, ffn, vocab, e.g. 32,4096,32,8,14336,128256"
 
     def read(self, value: str) -> tuple[int, ...]:
-        dims = _positive_integers(value)
-        if dims is None or len(dims) != 6:
-            raise ValidationError([Problem("dims", f"cannot read {value!r} as six positive integers",
-                                           "give layers, hidden, heads, kv heads, ffn, vocab, e.g. "
-                                           "32,4096,32,8,14336,128256")])
-        return tuple(dims)
+        return tuple(super().read(value))
 
 
-class KeyValue(_Checked):
+class KeyValue(_Read):
     """KEY=VALUE (a config field and its value); the value is read by the library."""
 
     name = "key=value"
 
-    def read(self, value: str) -> str:
+    def rule(self, value: str) -> Any:
         from ..models import parse_overrides
 
-        parse_overrides([value], "value")
-        return value
+        return parse_overrides([value], "value")
 
 
-class Reference(_Checked):
+class Reference(_Matching):
     """MODULE:FUNCTION, importable from the current folder (imported by the library before any rank starts)."""
 
-    name = "module:function"
-
-    def read(self, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", value):
-            raise ValidationError([Problem("step", f"{value!r} is not MODULE:FUNCTION",
-                                           "give a module and a function in it, e.g. mytrain:step")])
-        return value
+    name, argument, pattern = "module:function", "step", r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+    what, fix = "is not MODULE:FUNCTION", "give a module and a function in it, e.g. mytrain:step"
 
 
-class Documents(_Checked):
+class Documents(_Read):
     """A packed-documents spec: a count (16), 'longtail', or lengths (1024,512,...); read against --seq-len later."""
 
     name = "documents"
 
-    def read(self, value: str) -> str:
+    def rule(self, value: str) -> Any:
         from ..attention import read_spec
 
-        read_spec(value)
-        return value
+        return read_spec(value)
 
 
-class Storage(_Checked):
+class Storage(_Matching):
     """An Optuna storage URL: sqlite:///path.db, postgresql+psycopg2://user@host/db, ..."""
 
-    name = "url"
-
-    def read(self, value: str) -> str:
-        if not re.fullmatch(r"[a-z][a-z0-9+]*://.*\S.*", value):
-            raise ValidationError([Problem("storage", f"{value!r} is not a storage URL",
-                                           "give one like sqlite:///cptune.db or postgresql+psycopg2://user@host/db")])
-        return value
+    name, argument, pattern = "url", "storage", r"[a-z][a-z0-9+]*://.*\S.*"
+    what, fix = "is not a storage URL", "give one like sqlite:///cptune.db or postgresql+psycopg2://user@host/db"
 
 
-class Endpoint(_Checked):
+class Endpoint(_Matching):
     """HOST:PORT."""
 
-    name = "host:port"
+    name, argument, pattern = "host:port", "endpoint", r"(\[[0-9a-fA-F:]+\]|[^\s:/]+):([0-9]{1,5})"
+    what, fix = "is not HOST:PORT", "give node 0's host and a free port, e.g. node0:29500"
 
-    def read(self, value: str) -> str:
-        match = re.fullmatch(r"(\[[0-9a-fA-F:]+\]|[^\s:/]+):([0-9]{1,5})", value)
-        if not match or not 0 < int(match[2]) < 65536:
-            raise ValidationError([Problem("endpoint", f"{value!r} is not HOST:PORT",
-                                           "give node 0's host and a free port, e.g. node0:29500")])
-        return value
+    def accept(self, match: re.Match) -> bool:
+        return 0 < int(match[2]) < 65536
 
 
-class HardwareProfile(_Checked):
+class HardwareProfile(_Read):
     """A shipped hardware profile's name (h100, ...) or a JSON profile file (:func:`cptune.plan.load_hardware`)."""
 
     name = "profile"
 
-    def read(self, value: str) -> str:
+    def rule(self, value: str) -> Any:
         from ..plan import load_hardware
 
-        load_hardware(value, "hardware")
-        return value
+        return load_hardware(value, "hardware")
 
 
-class Name(_Checked):
+class Name(_Matching):
     """Free text that must not be empty (a study's name)."""
 
-    name = "name"
-
-    def read(self, value: str) -> str:
-        if not value.strip():
-            raise ValidationError([Problem("name", "is empty", "give a name, or leave the option out")])
-        return value
+    name, argument, pattern, what, fix = "name", "name", r"(?s).*\S.*", "is empty", "give a name, or leave the option out"
 
 
 class CheckedPath(_Fixed, click.Path):

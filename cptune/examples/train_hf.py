@@ -228,7 +228,8 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
                                        "config.json), or a recipe from cptune search --model")])
     overrides = models.parse_overrides(model_overrides) if model_overrides else dict(w.model_overrides or {})
     hf_config = models.load_config(path, overrides)
-    raise_if(models.mesh_problems(hf_config, dims, "config.mesh_shape"))  # cp over token mixers, tp the plan
+    # cp over token mixers, tp by the plan, Ulysses over each tp rank's heads
+    raise_if(models.mesh_problems(hf_config, dims, "config.mesh_shape", ulysses=config.degrees(dims.cp)[0]))
     if not dims.is_dp_cp and not rest["fsdp"]:
         raise ValidationError([Problem("fsdp", f"is off with {dims.label()}: tensor parallelism and HSDP train the "
                                        "model as FSDP2 shards it", "drop --no-fsdp, or use a (dp, cp) recipe")])

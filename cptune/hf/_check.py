@@ -1,10 +1,10 @@
-"""The first-step check of a transformers model (:mod:`cptune._check` says what it compares): at the first forward of
+"""The first-step check of a transformers model (:mod:`cptune.verify` says what it compares): at the first forward of
 a block of cp > 1, :func:`cptune.hf.enable`'s model runs a short sequence of its own twice on the user's ranks, mesh
 and configuration, as one process (each document alone, transformers' own attention and masks) and split as the
 block is, before the user's step goes on. Once per configuration (strategy, degrees, load balancing, packing).
 
 Which models: ``enable(model, check="auto")`` checks a family the support matrix has not proven exact
-(``_proven.json``, written by ``python -m benchmarks.matrix --update-docs`` from the matrix's run on each transformers
+(``proven.json``, written by ``python -m benchmarks.matrix --update-docs`` from the matrix's run on each transformers
 major release), a model whose code is not transformers' own (``trust_remote_code``), and one whose modules the user
 vouched for (``token_wise=``); ``"always"`` checks every model, ``"never"`` none. :func:`check` runs it up front,
 outside a block (``train_hf`` and ``cptune search --model`` do).
@@ -48,6 +48,16 @@ def family(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     text = getattr(config, "get_text_config", lambda: config)()
     return str(getattr(text, "model_type", None) or getattr(config, "model_type", type(model).__name__))
+
+
+def proven(config) -> bool:
+    """Whether the support matrix ran ``config``'s family exact in every CP cell on this transformers' major release
+    (a model built from it by transformers, nothing vouched for: :func:`unproven_why` says the rest)."""
+    import transformers
+
+    text = getattr(config, "get_text_config", lambda: config)()
+    major = transformers.__version__.split(".", 1)[0]
+    return str(getattr(text, "model_type", None)) in proven_families().get(major, ())
 
 
 def unproven_why(model: nn.Module) -> str | None:
@@ -242,7 +252,7 @@ def check(model: nn.Module, *, config: Any = None, recipe: Any = None, mesh: Any
     """Run the first-step check now, outside any block, on every rank (a collective): the report, or None when
     ``model`` wants none (its mode, or a proven family, or checked already). ``config``/``recipe``/``mesh`` as for
     :class:`cptune.context_parallel`; ``packed``: check it on packed documents; ``tokens``: the check's length
-    (default: twice the longest reach its config states, within :data:`cptune._check.TOKENS`)."""
+    (default: twice the longest reach its config states, within :data:`cptune.verify.TOKENS`)."""
     from ..context import config_for
 
     raise_if([Problem("model", "is not enabled", "call cptune.hf.enable(model) first")]

@@ -92,11 +92,16 @@ def whole_layers(config, model: nn.Module | None = None, cp: int = 2, mixers: st
 
 
 def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape",
-                  model: nn.Module | None = None) -> list[Problem]:
+                  model: nn.Module | None = None, ulysses: int = 1) -> list[Problem]:
     """Everything about ``config``'s model that ``dims`` cannot train right: :func:`cp_problems` and
-    :func:`tp_problems`, the one check the scripts, ``cptune launch``, the search and the plan make."""
+    :func:`tp_problems`, and a Ulysses degree (``ulysses``: the configuration's, :meth:`cptune.CPConfig.degrees`)
+    that does not divide the heads each tp rank holds; the one check the scripts, ``cptune launch``, the search and
+    the plan make."""
     made = model if model is not None or (dims.cp == 1 and dims.tp == 1) else _empty_model(config)
-    return cp_problems(config, dims.cp, argument, made) + tp_problems(config, dims.tp, argument, made)
+    heads = ParallelDims(tp=dims.tp).model_problems(heads=attention_shape(config)["heads"], ulysses=ulysses) \
+        if ulysses > 1 else []
+    return cp_problems(config, dims.cp, argument, made) + tp_problems(config, dims.tp, argument, made) + \
+        [p for p in heads if p.argument == "config.ulysses_degree"]
 
 
 def training_problems(ac: str, compile: bool) -> list[Problem]:

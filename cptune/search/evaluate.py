@@ -80,7 +80,7 @@ class LocalEvaluator:
         self.group.close()
 
     def abort(self) -> None:
-        """Stop the ranks now (an interrupted search): kill, no waiting for the trial."""
+        """Stop the ranks now (an interrupted search): killed and waited for, no waiting for the trial."""
         self.group.kill()
 
 

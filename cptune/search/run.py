@@ -114,9 +114,11 @@ def search(
     split by its own TP plan (:func:`.space.tp_degrees`); its study is its own (named ``-tpN``).
 
     SIGINT or SIGTERM (on the driving process) stops the search at any moment: the ranks are
-    killed, the study is left consistent (a trial cut short is measured again, a race cut short
+    killed and waited for, the study is left consistent (a trial cut short is measured again, a race cut short
     is run again, when the same call is repeated) and :class:`SearchInterrupted` is raised, with
-    the study's name, the trials stored and ``exit_code`` (130 or 143).
+    the study's name, the trials stored and ``exit_code`` (130 or 143). The fork server the ranks came from
+    stays, this process's for its next group; ``cptune search`` stops it before it exits
+    (:func:`cptune.launch.stop_helpers`).
     """
     workload = workload if isinstance(workload, Workload) else Workload(**(workload or {}))
     lengths = list(seq_lens) if seq_lens else [workload.seq_len]

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .. import models
 from ..config import CPConfig
-from ..hf import causal_lm_loss, check, enable
+from ..hf import causal_lm_loss, check, enable, proven
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ..losses import packed_labels_and_positions
 from ..mesh import model_mesh, world_mesh
@@ -127,10 +127,11 @@ def check_model(workload: Workload, device: torch.device):
     """The first-step check of ``workload``'s model (:func:`cptune.hf.check`) on these ranks, split over all of them
     by the ring: once, before the search measures anything. Its report line, or None for a family the support
     matrix has proven; a refusal is a :class:`cptune.ValidationError`."""
-    world = dist.get_world_size()
-    model = models.build_model(models.load_config(workload.model, workload.model_overrides), device,
-                               fsdp_mesh=world_mesh(device.type), ac=workload.ac, compile=workload.compile,
-                               dtype=workload.torch_dtype)
+    world, config = dist.get_world_size(), models.load_config(workload.model, workload.model_overrides)
+    if proven(config):  # nothing to check: not even built
+        return None
+    model = models.build_model(config, device, fsdp_mesh=world_mesh(device.type), ac=workload.ac,
+                               compile=workload.compile, dtype=workload.torch_dtype)
     report = check(model, config=CPConfig(mesh_shape=(1, world)), packed=workload.documents is not None,
                    seq_len=workload.seq_len)
     return None if report is None else report.line()

@@ -1,4 +1,4 @@
-"""``cptune.check``: the first-step check (:mod:`cptune._check`) for a plain PyTorch model, whose code can read a
+"""``cptune.check``: the first-step check (:mod:`cptune.verify`) for a plain PyTorch model, whose code can read a
 shard's shapes or positions as any transformers family's can. The user's step runs on short buffers of their own
 twice, in a block of cp = 1 (the block's documents and window applied, as one process means them) and split as
 configured; its output, the gradients of the buffers that require grad and of the model's parameters are compared.
