@@ -41,6 +41,8 @@ def short(cell: dict) -> str:
     if "TP plan" in text:
         styles = sorted(set(re.findall(r": (\w+)(?:;|\))", text)))
         return f"refused: TP plan ({', '.join(styles)})" if styles else "refused: TP plan"
+    if "softcapping" in text:
+        return "refused: attention softcapping"
     if "attention implementation" in text or "cannot run under cptune's SDPA" in text:
         return "refused: not SDPA attention"
     return "refused: " + text.split(":", 2)[1].strip()[:40]

@@ -288,23 +288,31 @@ def unshard(tensors: Any, seq_dims: Any, *, context: context_parallel | None = N
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None, enable_gqa: bool = False, *, window: Any = None,
-                                 documents: Any = None, chunk: int | None = None) -> torch.Tensor:
+                                 documents: Any = None, chunk: int | None = None,
+                                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with packed documents and a sliding window, in a block or on one device.
 
     Inside a ``cptune.context_parallel`` block it runs as the block's CP attention; ``window`` and
     ``documents`` default to the block's (None), ``False`` turns them off for this call, a value
     replaces them. ``chunk``: attention within chunks of this many tokens of each document (Llama 4's chunked
-    layers). Outside a block it is single-device attention with the equivalent (S, S) mask.
+    layers). ``sinks``: (query heads,) learned logits that join each row's softmax denominator with a zero value
+    (GPT-OSS's attention sinks). Outside a block it is single-device attention with the equivalent (S, S) mask
+    (with sinks: cptune's own kernel loop, no (S, S) tensor).
     """
     session = active()
     if session is not None:
         return A.attend(session.setup, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                         window="block" if window is None else window or None,
-                        documents="block" if documents is None else documents, chunk=chunk)
+                        documents="block" if documents is None else documents, chunk=chunk, sinks=sinks)
     window = A.check_window(window or None)
     if chunk is not None and chunk < query.shape[-2]:
         documents = A.chunked(documents if documents is not None and documents is not False else None,
                               query.shape[-2], chunk)
+    if sinks is not None:
+        if documents is not None and documents is not False:
+            raise_if(A.document_problems(documents, query.shape[-2], None))
+        return A.alone(query, key, value, sinks, attn_mask, dropout_p, is_causal, scale,
+                       documents=documents if documents is not False else None, window=window)
     if (documents is None or documents is False) and window is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)

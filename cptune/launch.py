@@ -256,7 +256,8 @@ class WorkerGroup:
             q.put(None)
         deadline = time.monotonic() + 10
         for p in self._procs:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.pid is not None:  # started
+                p.join(timeout=max(0.1, deadline - time.monotonic()))
         self.exitcodes = [p.exitcode for p in self._procs]  # None: still running after 10 s, killed now
         unclean = [f"rank {r}: {describe_exit(c)}" for r, c in enumerate(self.exitcodes) if c != 0]
         if unclean:  # every result was already returned; a crash at exit is still a defect to see

@@ -21,6 +21,26 @@ def reference(qkv, grad, **sdpa_kwargs):
     return out.detach(), [t.grad for t in leaves]
 
 
+def sharded_call(attend, leaves, grad, config, causal, docs, window, compiled=False, ac=False):
+    """``attend(q, k, v)`` in a block over ``leaves`` (sequence dim 2), optionally checkpointed and compiled, its
+    loss sum(out * grad) made cp times each rank's share and run backward: (the whole output, the block)."""
+    import cptune
+
+    def checkpointed(q, k, v):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(attend, q, k, v, use_reentrant=False)
+
+    run = checkpointed if ac else attend
+    run = torch.compile(run) if compiled else run
+    g = grad.clone()
+    with cptune.context_parallel(buffers=[*leaves, g], seq_dims=[2] * 4, config=config, causal=causal,
+                                 documents=docs, window=window, no_restore=[g]) as cp:
+        out = run(*leaves)
+        (cp.cp_size * (out * g).sum()).backward()
+        return cp.unshard(out, 2), cp
+
+
 def max_err(a, b):
     return (a.float() - b.float()).abs().max().item()
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import cptune
 from cptune.attention import _blocks, _documents
 from cptune.attention._sharding import Layout
-from tests._helpers import max_err
+from tests._helpers import max_err, sharded_call
 
 FP32_TOL = 1e-5
 
@@ -205,20 +205,7 @@ def _documents_case(config_name, layout_name, causal, lb, window, compiled=False
     def attend(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
 
-    if ac:
-        from torch.utils.checkpoint import checkpoint
-
-        def run(q, k, v):
-            return checkpoint(attend, q, k, v, use_reentrant=False)
-    else:
-        run = attend
-    run = torch.compile(run) if compiled else run
-    g = grad.clone()
-    with cptune.context_parallel(buffers=[*leaves, g], seq_dims=[2] * 4, config=config, causal=causal,
-                                 documents=docs, window=window, no_restore=[g]) as cp:
-        out = run(*leaves)
-        (cp.cp_size * (out * g).sum()).backward()
-        full = cp.unshard(out, 2)
+    full, cp = sharded_call(attend, leaves, grad, config, causal, docs, window, compiled, ac)
     return {"out": max_err(full, ref_out), "grads": [max_err(a.grad, b.grad) for a, b in zip(leaves, ref)],
             "lb": cp.load_balance}
 

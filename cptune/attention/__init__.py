@@ -13,7 +13,7 @@ uses (benchmarks too: PyTorch's own CP module through :func:`require_cp`); the p
 ones are re-exported by ``cptune``).
 """
 
-from ._attend import RING_ATTENTION_OPS, Setup, attend, ring_positions
+from ._attend import RING_ATTENTION_OPS, Setup, alone, attend, ring_positions
 from ._blocks import needs
 from ._documents import as_rows, check_window, chunked, dense_mask, document_problems, documents_from_cu_seqlens, \
     documents_from_eos, documents_from_lengths, documents_from_position_ids, lengths_from_spec, \
@@ -28,7 +28,7 @@ from ._ulysses import ULYSSES_OPS, heads_to_seq, hybrid_groups, kv_replication, 
 from .._torch_cp import require_cp
 
 __all__ = [
-    "RING_ATTENTION_OPS", "RING_BACKENDS", "SDPA_BACKENDS", "SDPA_KERNELS", "ULYSSES_OPS", "as_rows", "attend",
+    "RING_ATTENTION_OPS", "RING_BACKENDS", "SDPA_BACKENDS", "SDPA_KERNELS", "ULYSSES_OPS", "alone", "as_rows", "attend",
     "backend_problem", "check_window", "chunked", "counting", "default_backends", "dense_mask",
     "document_problems", "documents_from_cu_seqlens", "documents_from_eos", "documents_from_lengths",
     "documents_from_position_ids", "ForwardRecord", "gather", "heads_to_seq", "hybrid_groups", "kv_replication",

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from . import _documents, _forms, _ulysses
-from ._kernels import expand_kv, pick_backend
+from ._kernels import default_backends, expand_kv, pick_backend
 from ._masked_ring import BLOCK_ATTENTION_OPS, block_attention
 from ._ring import PYTORCH_RING_OPS, ring_attention
 from ._sharding import Layout, ShardWithGrad
-from ..errors import CPTuneWarning, raise_if
+from ..errors import CPTuneWarning, Problem, raise_if
 
 _aten_sdpa = torch.ops.aten.scaled_dot_product_attention.default  # below torch-function modes: not routed again
 
@@ -89,13 +89,14 @@ def ring_positions(layout: Layout, seq_len: int | None) -> torch.Tensor | None:
 
 
 def attend(s: Setup, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-           enable_gqa=False, *, window: Any = "block", documents: Any = "block", chunk: int | None = None
-           ) -> torch.Tensor:
+           enable_gqa=False, *, window: Any = "block", documents: Any = "block", chunk: int | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's shards, as the block runs it.
 
     ``window`` / ``documents``: ``"block"`` takes the block's; None or False turns them off for this call.
     ``chunk``: each document cut into chunks of this many tokens, attended within each chunk (Llama 4's chunked
-    layers).
+    layers). ``sinks``: (query heads,) a learned logit per head joining each row's softmax denominator with a
+    zero value (GPT-OSS); such calls run on cptune's own ring (one log-sum-exp term more), under any strategy.
     """
     window = s.window if window == "block" else _documents.check_window(window or None, "window")
     docs = s.documents if isinstance(documents, str) and documents == "block" else _call_documents(s, documents)
@@ -110,6 +111,8 @@ def attend(s: Setup, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         strategy=s.strategy if s.cp > 1 else "ulysses", ulysses=s.ulysses, masked=masked)
     if docs is not None and call is not None:
         problems += _documents.document_problems(docs, full, call.q.shape[0], "documents")
+    if sinks is not None and call is not None:
+        problems += _sink_problems(sinks, call)
     raise_if(problems)
     q, k, v, scale = call.q, call.k, call.v, call.scale
     if call.local:  # nothing to exchange: a zero-row batch, or keys that are not sharded
@@ -119,11 +122,13 @@ def attend(s: Setup, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         return call.restore(_aten_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale))
     if s.ulysses > 1:
         q, k, v = _to_heads(s, q, k, v)
+        heads = q.shape[1]
         if attn_mask is not None and attn_mask.ndim >= 3 and attn_mask.shape[-3] > 1:  # per-head mask
-            heads = q.shape[1]
             attn_mask = attn_mask.narrow(-3, (s.cp_rank % s.ulysses) * heads, heads)  # this rank's heads
-    if masked or s.ring > 1:
-        out = _ring_or_masked(s, q, k, v, attn_mask, is_causal, scale, docs, window, masked)
+        if sinks is not None:
+            sinks = sinks.narrow(0, (s.cp_rank % s.ulysses) * heads, heads)
+    if masked or s.ring > 1 or sinks is not None:
+        out = _ring_or_masked(s, q, k, v, attn_mask, is_causal, scale, docs, window, masked, sinks)
     else:
         k, v = expand_kv(q, k, v)  # after the all-to-all: the CPU flash kernel has no GQA
         out = _aten_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale)
@@ -132,19 +137,19 @@ def attend(s: Setup, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     return call.restore(out)
 
 
-def _ring_or_masked(s: Setup, q, k, v, attn_mask, is_causal, scale, docs, window, masked):
+def _ring_or_masked(s: Setup, q, k, v, attn_mask, is_causal, scale, docs, window, masked, sinks=None):
     # No cache: a side effect here would break torch.compile inside checkpointed regions.
     backend, problems = pick_backend(s.backends, q.device.type, q.dtype, ring=True)
     raise_if(problems)
     # PyTorch's ring merges in float32 and knows two layouts only: in order, or head-tail under load balancing
-    if not masked and attn_mask is None and q.dtype != torch.float64 and s.layout.chunks is None:
+    if not masked and attn_mask is None and q.dtype != torch.float64 and s.layout.chunks is None and sinks is None:
         return ring_attention(q, k, v, s.ring_group, backend, is_causal, scale, s.rotate_method, s.load_balance)
     mask = attn_mask
     if mask is not None and mask.dtype == torch.bool and bool(mask.all()):
         mask = None  # nothing masked: the rules alone decide
     ring_rank = s.cp_rank // s.ulysses
     return block_attention(q, k, v, s.positions, docs, mask, window, s.ring_group if s.ring > 1 else None,
-                           ring_rank if s.ring > 1 else 0, backend, is_causal, scale, s.rotate_method)
+                           ring_rank if s.ring > 1 else 0, backend, is_causal, scale, s.rotate_method, sinks)
 
 
 def _to_heads(s: Setup, q, k, v):
@@ -158,6 +163,40 @@ def _to_heads(s: Setup, q, k, v):
     return tuple(_ulysses.seq_to_heads(t, s.ulysses_group, s.ulysses) for t in (q, k, v))
 
 
+def _sink_problems(sinks, call) -> list:
+    """One sink per query head, on a call that exchanges keys (a zero-row batch needs none)."""
+    heads = call.q.shape[1]
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (heads,):
+        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        return [Problem("sinks", f"is {shape}, not one logit per query head ({heads},)",
+                        "pass the attention layer's sinks, shaped (num_attention_heads,)")]
+    if call.local and call.q.shape[0]:
+        return [Problem("sinks", "are given for attention to keys that are not split over the CP ranks",
+                        "cptune applies attention sinks to self-attention only")]
+    return []
+
+
+def alone(query, key, value, sinks, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+          documents: torch.Tensor | None = None, window: _documents.Window | None = None) -> torch.Tensor:
+    """Attention with ``sinks`` on one device, outside a block: cptune's own ring with no ring (one log-sum-exp term
+    more), documents (rows of ids), a window and a bool ``attn_mask`` applied."""
+    problems = []
+    if dropout_p:
+        problems.append(Problem("dropout_p", f"is {dropout_p} with attention sinks", "set dropout_p=0.0"))
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        problems.append(Problem("attn_mask", f"is {attn_mask.dtype} with attention sinks",
+                                "pass a bool mask (True: attended)"))
+    if sinks.shape != (query.shape[-3],):
+        problems.append(Problem("sinks", f"is {tuple(sinks.shape)}, not one logit per query head "
+                                         f"({query.shape[-3]},)", "pass the attention layer's sinks"))
+    backend, found = pick_backend(default_backends(), query.device.type, query.dtype, ring=True)
+    raise_if(problems + found)
+    positions = torch.arange(query.shape[-2]).unsqueeze(0)
+    docs = _documents.as_rows(documents) if documents is not None else None
+    return block_attention(query, key, value, positions, docs, attn_mask, window, None, 0, backend, is_causal, scale,
+                           "allgather", sinks)
+
+
 def _call_documents(s: Setup, documents: Any) -> torch.Tensor | None:
     if documents is None or documents is False:
         return None
@@ -166,4 +205,4 @@ def _call_documents(s: Setup, documents: Any) -> torch.Tensor | None:
     return _documents.as_rows(documents)
 
 
-__all__ = ["RING_ATTENTION_OPS", "Setup", "attend", "ring_positions"]
+__all__ = ["RING_ATTENTION_OPS", "Setup", "alone", "attend", "ring_positions"]

@@ -58,7 +58,8 @@ def own(t: torch.Tensor) -> torch.Tensor:
 
 def register_attention_autograd(forward_op: Any, backward_op: Any) -> None:
     """Autograd for an attention op ``(q, k, v, *config) -> (out, lse)`` whose backward op is
-    ``(grad_out, q, k, v, out, lse, *config) -> (dq, dk, dv)``: the configuration travels as plain arguments."""
+    ``(grad_out, q, k, v, out, lse, *config) -> (dq, dk, dv[, d_config0])``: the configuration travels as plain
+    arguments; a fourth gradient is the first configuration argument's (attention sinks), None where it is None."""
 
     def setup_context(ctx, inputs, output):
         q, k, v, *args = inputs
@@ -68,8 +69,10 @@ def register_attention_autograd(forward_op: Any, backward_op: Any) -> None:
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
-        return (dq, dk, dv) + (None,) * len(ctx.args)
+        grads = tuple(backward_op(grad_out.contiguous(), q, k, v, out, lse, *ctx.args))
+        if len(grads) > 3 and ctx.args[0] is None:
+            grads = grads[:3] + (None,)
+        return grads + (None,) * (3 + len(ctx.args) - len(grads))
 
     forward_op.register_autograd(backward, setup_context=setup_context)
 

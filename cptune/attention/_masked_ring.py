@@ -177,7 +177,8 @@ def _setup(q, positions, doc_ids, mask, window_left, window_right, group_name, r
 
 
 @torch.library.custom_op("cptune::block_attention", mutates_args=())
-def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                        positions: torch.Tensor,
                         doc_ids: torch.Tensor | None, mask: torch.Tensor | None, window_left: int, window_right: int,
                         group_name: str, ring_rank: int, backend: str, is_causal: bool, scale: float | None,
                         rotate_method: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,23 +191,31 @@ def _block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     for _, src, block in _incoming([k, v], need, ring_rank, group, ahead):
         if block is not None:
             _forward_block(q, block[0], block[1], plans[src], backend, s, out, lse, seen)
+    if sinks is not None:  # one more term of every row's softmax denominator, whose value is zero
+        total = torch.logaddexp(lse, _per_head(sinks, acc))
+        out, lse = out * torch.exp(lse - total).unsqueeze(-1), total
     _hooks.notify_forward()
     return own(out.to(q.dtype)), own(lse)
 
 
+def _per_head(sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return sinks.to(dtype).view(1, -1, 1)
+
+
 @_block_attention_op.register_fake
-def _(q, k, v, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank, backend, is_causal, scale,
-      rotate_method):
+def _(q, k, v, sinks, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank, backend, is_causal,
+      scale, rotate_method):
     return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=accumulator(q.dtype))
 
 
 @torch.library.custom_op("cptune::block_attention_backward", mutates_args=())
 def _block_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 out: torch.Tensor, lse: torch.Tensor, positions: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None,
+                                 positions: torch.Tensor,
                                  doc_ids: torch.Tensor | None, mask: torch.Tensor | None, window_left: int,
                                  window_right: int, group_name: str, ring_rank: int, backend: str, is_causal: bool,
                                  scale: float | None, rotate_method: str
-                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     group, plans, need, ahead = _setup(q, positions, doc_ids, mask, window_left, window_right, group_name,
                                        ring_rank, is_causal, rotate_method)
     s, acc = _scale(q, scale), accumulator(q.dtype)
@@ -239,13 +248,23 @@ def _block_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: tor
     while returns:
         collect()
     dk, dv = mine
-    return own(dq.to(q.dtype)), own(dk.to(k.dtype)), own(dv.to(v.dtype))
+    return own(dq.to(q.dtype)), own(dk.to(k.dtype)), own(dv.to(v.dtype)), _sink_grad(grad_out, out, lse, sinks, q, acc)
+
+
+def _sink_grad(grad_out, out, lse, sinks, q, acc) -> torch.Tensor:
+    """Each head's sink's gradient from this rank's query rows: minus its probability times the row's
+    ``grad_out . out`` (the sink's value is zero); zeros when there are no sinks."""
+    if sinks is None:
+        return q.new_zeros(q.shape[1])
+    rows = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    return -(torch.exp(_per_head(sinks, acc) - lse) * rows).sum((0, 2)).to(sinks.dtype)
 
 
 @_block_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank, backend,
-      is_causal, scale, rotate_method):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(grad_out, q, k, v, out, lse, sinks, positions, doc_ids, mask, window_left, window_right, group_name, ring_rank,
+      backend, is_causal, scale, rotate_method):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(q.shape[1]) if sinks is None else sinks.new_empty(sinks.shape))
 
 
 register_attention_autograd(_block_attention_op, _block_attention_backward_op)
@@ -256,14 +275,16 @@ BLOCK_ATTENTION_OPS = (torch.ops.cptune.block_attention.default,)
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     doc_ids: torch.Tensor | None, mask: torch.Tensor | None, window: tuple[int, int] | None,
                     group: dist.ProcessGroup | None, ring_rank: int, backend: str, is_causal: bool,
-                    scale: float | None, rotate_method: str) -> torch.Tensor:
+                    scale: float | None, rotate_method: str, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries over every ring rank's keys, documents / window / dense mask applied.
 
     ``positions``: (R, L) global positions held by each ring rank (R == 1: no ring, no group);
-    ``doc_ids``: (B or 1, S) document ids; ``mask``: bool, (..., S, S) for the whole sequence.
+    ``doc_ids``: (B or 1, S) document ids; ``mask``: bool, (..., S, S) for the whole sequence; ``sinks``: (H,) a
+    learned logit per query head that joins every row's softmax denominator with a zero value (GPT-OSS), merged
+    once into the ring's log-sum-exp, its gradient from the merged output and log-sum-exp.
     """
     left, right = window if window is not None else (-1, -1)
-    out, _ = _block_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), positions, doc_ids, mask, left,
+    out, _ = _block_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), sinks, positions, doc_ids, mask, left,
                                  right, group.group_name if group is not None else "", ring_rank, backend, is_causal,
                                  scale, rotate_method)
     return out

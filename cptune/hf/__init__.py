@@ -32,7 +32,8 @@ Inside a block transformers builds no mask (it would build one for this rank's s
 A forward pre-hook refuses, inside a block, what would silently give wrong numbers (labels
 shifted inside a shard, positions made inside the model, a padding mask) and fills in
 ``num_items_in_batch`` so the loss is the exact single-device mean over every rank's tokens.
-Attention features SDPA cannot run (softcapping, a position bias, attention sinks) are refused.
+Attention features SDPA cannot run (softcapping, a position bias) are refused; attention sinks (GPT-OSS) run
+exactly under every strategy.
 ``cptune.hf.Trainer`` is transformers' Trainer with each training step in a block (``_trainer``).
 :func:`causal_lm_loss` is the model's loss without the whole logits (:mod:`cptune.losses`): chunked, exact, the path
 cptune's training scripts, the Trainer and the search take.

@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from .. import verify as C
+from ..experts import ep_parameters
 from ._lm_loss import causal_lm_loss
 from ..losses import packed_labels_and_positions
 from ..mixers import decoder_layers
@@ -149,13 +150,16 @@ def run(model: nn.Module, config, mesh, dims: ParallelDims, causal: bool = True,
     subject = f"{base_class(model).__name__} ({family(model)})"
     layout = C.layout_label(config, dims, causal)
     fsdp = any(isinstance(m, FSDPModule) for m in model.modules())  # it averages the gradients over its ranks
+    experts = ep_parameters(model)
     with C.quiet(model):
         probes, layers = _probes(model)
         try:
             want, want_grads, want_loss = _whole(model, probes, ids, labels, positions, docs)
+            C.per_rank(want_grads, experts, fsdp)
             dtype = probes.dtype or torch.float32
             with C.perturbed(layers.values(), dtype):
                 noisy, noisy_grads, noisy_loss = _whole(model, probes, ids, labels, positions, docs)
+            C.per_rank(noisy_grads, experts, fsdp)
             floors = _errors(noisy, want, noisy_grads, want_grads, noisy_loss, want_loss)
             del noisy, noisy_grads
             buffers = {"input_ids": ids, "shift_labels": labels, "position_ids": positions}
@@ -179,7 +183,7 @@ def run(model: nn.Module, config, mesh, dims: ParallelDims, causal: bool = True,
             except Exception as exc:  # noqa: BLE001 - the family's own code failing on a shard, named
                 raise C.raised_problem(exc, model, subject, layout, "model", _FIX) from None
             got_grads = C.take_grads(model)
-            C.average_over(got_grads, group, dims.cp, fsdp)
+            C.average_over(got_grads, group, dims.cp, fsdp, experts)
         finally:
             probes.close()
     errors = _errors(got, want, got_grads, want_grads, loss.item() / dims.cp, want_loss)

@@ -21,8 +21,7 @@ from ..context import scaled_dot_product_attention
 from ..errors import Problem, raise_if
 
 ATTN_IMPLEMENTATION = "cptune"
-_UNSUPPORTED = {"softcap": "attention logit softcapping", "position_bias": "a position bias (T5-style)",
-                "s_aux": "attention sinks"}
+_UNSUPPORTED = {"softcap": "attention logit softcapping", "position_bias": "a position bias (T5-style)"}
 
 
 def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -52,7 +51,8 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         documents = packed_documents(kwargs["position_ids"])
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
                                        is_causal=causal, enable_gqa=key.shape[1] != query.shape[1],
-                                       window=window, documents=documents, chunk=layer_chunk(module))
+                                       window=window, documents=documents, chunk=layer_chunk(module),
+                                       sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -117,7 +117,7 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
     if session is None:
         return None
     # a layer that mixes tokens outside attention: refused before this hook's own collective, on every rank alike
-    raise_if(cp_problems(type(module).__name__, module._cptune_mixers, session.cp, "model"))
+    raise_if(cp_problems(type(module).__name__, module._cptune_mixers, session.cp, "model") + _softcapped(module))
     names = [p for p in inspect.signature(module.forward).parameters]
     given = {**dict(zip(names, args)), **kwargs}  # positional arguments by name too
     problems = []
@@ -148,6 +148,20 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
             kwargs["num_items_in_batch"] = session.num_items_in_batch(shifted, kwargs.get("ignore_index", IGNORE_INDEX),
                                                                       "all")
     return args, kwargs
+
+
+def _softcapped(model: nn.Module) -> list[Problem]:
+    """Attention logit softcapping (Gemma 2: ``tanh`` of every score) has no SDPA kernel: refused by the config's
+    name before the first collective, not from inside the first layer."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap is None:
+        return []
+    return [Problem("model", f"{type(text).__name__}.attn_logit_softcapping is {cap}: attention logit softcapping "
+                    "(a tanh of every score) has no SDPA kernel, so cptune's attention cannot run it",
+                    "train this model outside a cptune block, or set config.attn_logit_softcapping = None "
+                    "(a different model from the one trained with it)")]
 
 
 def enable(model: nn.Module, token_wise: Iterable[type | str] = (), check: str | None = None,

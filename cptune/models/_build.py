@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .. import mixers as _mixers
+from .. import experts, mixers as _mixers
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ..errors import Problem, ValidationError, raise_if
 from ..hf import enable
@@ -25,7 +25,8 @@ from ..workload import AC_MODES
 
 def build_model(config, device: torch.device | str, weights: str | Path | None = None, *, seed: int = 0,
                 fsdp_mesh: Any = None, ac: str | None = None, compile: bool = False,
-                dtype: torch.dtype = torch.float32, cp: int = 1, keep_tp_shards: bool | None = None) -> nn.Module:
+                dtype: torch.dtype = torch.float32, cp: int = 1, keep_tp_shards: bool | None = None,
+                ep: int = 1) -> nn.Module:
     """A float32 causal LM from ``config``, SDPA attention outside CP blocks, never whole on a rank when sharded.
 
     Built on the meta device, then materialized one unit at a time (each decoder layer, then the rest):
@@ -45,12 +46,20 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     gathered input instead (``benchmarks.tp_shards`` compares the two).
 
     ``cp``: the CP degree it will train under; above 1, a model with layers that mix tokens outside attention is
-    refused by name before anything is made (:func:`cp_problems`; the block refuses it at the first forward too)."""
+    refused by name before anything is made (:func:`cp_problems`; the block refuses it at the first forward too).
+
+    ``ep``: each MoE layer's experts split over groups of ``ep`` consecutive ranks as the layer is made
+    (:mod:`cptune.experts`: each rank keeps E / ep experts and trades tokens for them by all-to-all); under FSDP2
+    the experts are a unit of their own, sharded over their replicas (the ranks of the other groups that hold the
+    same experts), their gradients summed there and divided by the world, as the rest are averaged. Every rank
+    calls it (it makes the groups); with a 1-D ``fsdp_mesh`` or none (no tp, no dp_replicate), without ``weights``."""
     device = torch.device(device)
     tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
     model = _empty_model(config)
     raise_if(cp_problems(config, cp, "cp", model) + (tp_problems(config, tp_mesh.size(), model=model)
-                                                      if tp_mesh is not None else []))
+                                                      if tp_mesh is not None else []) +
+             _ep_problems(model, ep, fsdp_mesh, tp_mesh, weights))
+    groups = experts.ep_groups(ep) if ep > 1 else None
     if weights is not None:
         tensors = _weights.stored_tensors(weights)
         raise_if(_weights.weight_problems(model, tensors))
@@ -65,6 +74,8 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for i, layer in enumerate(layers):
             _materialize(model, list(layer.modules()), device, seed, i + 1)
+            if groups is not None:
+                P.split_experts(layer, groups, shard, device.type)
             P.parallelize_unit(layer, tp_mesh, plan, shard, keep_shards=keep)
         for j, (unit, reshard) in enumerate(embeddings):  # untied embedding and head: units of their own
             _materialize(model, list(unit.modules()), device, seed, len(layers) + 1 + j)
@@ -81,6 +92,19 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     if fsdp_mesh is None and dtype != torch.float32:
         model.to(dtype)
     return model
+
+
+def _ep_problems(model: nn.Module, ep: int, fsdp_mesh: Any, tp_mesh: Any, weights: Any) -> list:
+    if ep <= 1:
+        return []
+    problems = experts.ep_problems(model, ep) + experts.world_problems(ep)
+    if tp_mesh is not None or (fsdp_mesh is not None and fsdp_mesh.ndim > 1):
+        problems.append(Problem("ep", f"is {ep} with tensor parallelism or HSDP", "use a 1-D fsdp_mesh (dp_shard x "
+                                "cp) with ep: experts beside tp and dp_replicate are not built yet"))
+    if weights is not None:
+        problems.append(Problem("ep", f"is {ep} with weights=", "load a checkpoint with ep=1: reading each rank's "
+                                "experts from safetensors is not built yet"))
+    return problems
 
 
 def check_weights(config, weights: str | Path, argument: str = "weights") -> None:

@@ -76,8 +76,7 @@ def empty_model(config, structure_only: bool = False) -> nn.Module:
     transformers = _transformers("model")
     with torch.device("meta") if structure_only else parameters_on_meta():
         try:
-            return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                                 dtype=torch.float32)
+            return _from_config(transformers, config)
         except RuntimeError as exc:  # an _init_weights that assigns .data (Bamba's on 4.56) fails on the meta device
             from .._deps import version_tuple  # the fix never names the release already installed
 
@@ -87,11 +86,16 @@ def empty_model(config, structure_only: bool = False) -> nn.Module:
             raise ValidationError([Problem("model", f"{type(config).__name__}: transformers {transformers.__version__}"
                                            f" cannot build it on the meta device ({str(exc).splitlines()[0][:160]})",
                                            fix)]) from None
-        except ValueError as exc:  # e.g. 'Gemma2ForCausalLM does not support an attention implementation through SDPA'
-            if "attention implementation" not in str(exc):
-                raise
-            first = str(exc).strip().split(". ")[0]
-            raise ValidationError([Problem("model", f"{type(config).__name__}: transformers {transformers.__version__}"
-                                           f" says {first!r}; cptune's attention under CP is SDPA's", "use a model "
-                                           "family that runs with attn_implementation='sdpa' (softcapping and "
-                                           "attention sinks do not)")]) from None
+
+
+def _from_config(transformers, config) -> nn.Module:
+    """The model with SDPA attention outside a block, or its own eager attention where transformers has no SDPA
+    for the family (GPT-OSS's sinks, Gemma 2's softcapping); inside a block cptune's attention runs either way, and
+    refuses by name what it cannot run (softcapping)."""
+    build = transformers.AutoModelForCausalLM.from_config
+    try:
+        return build(config, attn_implementation="sdpa", dtype=torch.float32)
+    except ValueError as exc:  # e.g. 'GptOssForCausalLM does not support an attention implementation through SDPA'
+        if "attention implementation" not in str(exc):
+            raise
+    return build(config, attn_implementation="eager", dtype=torch.float32)

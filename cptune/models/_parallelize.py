@@ -1,7 +1,7 @@
 """Parallelizing a model, one unit at a time, in torchtitan's order: tensor parallelism by the model's own plan with
 sequence parallelism on the residual stream, then FSDP2 (HSDP where replicated). ``cptune.models`` builds with it;
 it knows nothing of CP (the block shards the sequence; sequence parallelism splits each CP rank's share further, over
-tp) and imports nothing of cptune's but the mesh and the errors."""
+tp) and imports nothing of cptune's but the mesh, the errors and expert parallelism's split."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _tp_shards
 from ..errors import Problem, ValidationError
+from ..experts import experts_modules, split
 from ..mesh import MODEL_DIMS
 
 
@@ -141,6 +143,20 @@ def sharder(mesh: Any, dtype: torch.dtype):
 
     return functools.partial(fully_shard, mesh=mesh,
                              mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+
+
+def split_experts(layer: nn.Module, groups: tuple[Any, Any], shard: Any, device_type: str) -> None:
+    """Each grouped-experts module of ``layer`` split over its ep group (:func:`cptune.experts.split`), then, under
+    FSDP2 (``shard``), a unit of its own sharded over its replicas' group, its gradients summed there and divided by
+    the world (the rest of the model is averaged over it), before the layer is sharded around it."""
+    for module in experts_modules(layer).values():
+        split(module, groups)
+        if shard is not None:
+            replicas = DeviceMesh.from_group(groups[1], device_type)
+            shard(module, mesh=replicas)
+            module.set_gradient_divide_factor(float(torch.distributed.get_world_size()))
+            if device_type == "cpu" and replicas.size() > 1:  # gloo has no pre-multiplied sum: sum, then divide
+                module.set_force_sum_reduction_for_comms(True)  # (alone on its mesh FSDP2 divides once already)
 
 
 def sequence_parallel(layer: nn.Module, plan: dict[str, str]) -> tuple[dict[str, Any], list[str]]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..experts import ep_parameters
 from ..errors import Problem, ValidationError, raise_if
 
 INDEX = "model.safetensors.index.json"
@@ -246,6 +247,9 @@ def export_model(model: nn.Module, folder: str | Path, dtype: torch.dtype | None
     import torch.distributed.checkpoint as dcp
 
     path = check_export(folder)
+    if ep_parameters(model):  # each rank holds its own experts under the same names: a file would mix them
+        raise ValidationError([Problem("model", "has experts split over expert-parallel ranks (cptune.experts), "
+                                       "which an export cannot gather yet", "export the model built with ep=1")])
     distributed = _distributed()
     rank = dist.get_rank() if distributed else 0
     partial = path.parent / f".{path.name}.partial"

@@ -20,8 +20,10 @@ the check, the random number generators and the gradients the user had are as be
 from ._report import MARGIN, NOISE, SKETCH, TOKENS, TOLERANCE, CheckReport, Measure, agree, assess, check_tokens, \
     judge, layout_label, raised_problem, reaches, relative, timed, where_raised
 from ._step import check
-from ._runs import Probes, average_over, grad_errors, opened, perturbed, quiet, set_aside, sketch, take_grads
+from ._runs import Probes, average_over, grad_errors, opened, per_rank, perturbed, quiet, set_aside, sketch, \
+    take_grads
 
 __all__ = ["MARGIN", "NOISE", "SKETCH", "TOKENS", "TOLERANCE", "CheckReport", "Measure", "Probes", "agree", "assess",
-           "average_over", "check", "check_tokens", "grad_errors", "judge", "layout_label", "opened", "perturbed", "quiet",
+           "average_over", "check", "check_tokens", "grad_errors", "judge", "layout_label", "opened", "per_rank", "perturbed",
+           "quiet",
            "raised_problem", "reaches", "relative", "set_aside", "sketch", "take_grads", "timed", "where_raised"]

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _session, _torch_cp
 from ..config import CPConfig
+from ..experts import averaged
 from ._report import NOISE, SKETCH
 
 # -- the blocks the check runs in ---------------------------------------------------------------------------------
@@ -185,14 +186,30 @@ def _norm2(t: torch.Tensor) -> torch.Tensor:
     return t.float().pow(2).sum()
 
 
-def average_over(grads: dict[str, torch.Tensor], group, size: int, reduced: bool) -> None:
-    """Gradients averaged over the cp ranks where nothing averaged them (no FSDP2): as the user averages them."""
-    if reduced or size == 1:
+def average_over(grads: dict[str, torch.Tensor], group, size: int, reduced: bool,
+                 experts: Mapping[str, Any] | None = None) -> None:
+    """Gradients averaged over the cp ranks where nothing averaged them (no FSDP2): as the user averages them; the
+    ``experts`` expert parallelism split (name -> their replicas' group) as :func:`per_rank` takes them."""
+    if reduced:
         return
-    for g in grads.values():
+    experts = experts or {}
+    per_rank(grads, experts, reduced)
+    if size == 1:
+        return
+    for name, g in grads.items():
+        if name in experts:
+            continue
         local = g.to_local() if hasattr(g, "to_local") else g
         dist.all_reduce(local, group=group)
         local /= size
+
+
+def per_rank(grads: dict[str, torch.Tensor], experts: Mapping[str, Any], reduced: bool) -> None:
+    """Where nothing averaged them (no FSDP2), an expert-parallel rank's expert gradients as the world's average
+    (:func:`cptune.experts.averaged`): run whole, every rank of an ep group sent its experts every token once; split,
+    each its share, each share's loss cp times it."""
+    if not reduced and experts:
+        averaged(grads, dict(experts))
 
 
 def grad_errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
