@@ -305,21 +305,18 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                         window="block" if window is None else window or None,
                         documents="block" if documents is None else documents, chunk=chunk, sinks=sinks)
     window = A.check_window(window or None)
+    documents = documents if documents is not False else None
     if chunk is not None and chunk < query.shape[-2]:
-        documents = A.chunked(documents if documents is not None and documents is not False else None,
-                              query.shape[-2], chunk)
+        documents = A.chunked(documents, query.shape[-2], chunk)
+    if documents is not None:
+        raise_if(A.document_problems(documents, query.shape[-2], None))
     if sinks is not None:
-        if documents is not None and documents is not False:
-            raise_if(A.document_problems(documents, query.shape[-2], None))
-        return A.alone(query, key, value, sinks, attn_mask, dropout_p, is_causal, scale,
-                       documents=documents if documents is not False else None, window=window)
-    if (documents is None or documents is False) and window is None:
+        return A.alone(query, key, value, sinks, attn_mask, dropout_p, is_causal, scale, documents=documents,
+                       window=window)
+    if documents is None and window is None:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
-    if documents is not None and documents is not False:
-        raise_if(A.document_problems(documents, query.shape[-2], None))
-    rules = A.dense_mask(documents if documents is not False else None, window, is_causal, query.shape[-2],
-                                  query.device)
+    rules = A.dense_mask(documents, window, is_causal, query.shape[-2], query.device)
     if attn_mask is not None:
         rules = rules & attn_mask if attn_mask.dtype == torch.bool else \
             torch.where(rules, attn_mask, torch.tensor(float("-inf"), dtype=attn_mask.dtype, device=attn_mask.device))

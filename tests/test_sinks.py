@@ -119,3 +119,21 @@ def test_sinks_under_compile_and_checkpointing(ranks):
     cases = [(c, "packed", True, True, (5, 0), compiled, ac) for c in ("ring-alltoall", "ulysses")
              for compiled, ac in ((True, False), (False, True))]
     _assert_exact(ranks(2).run(_sweep, cases))
+
+
+def _dropout_case(strategy):
+    qkv, sinks, _ = _inputs(2, 4, 2)
+    try:
+        with cptune.context_parallel(buffers=list(qkv), seq_dims=[2] * 3, config=cptune.CPConfig(strategy=strategy)):
+            cptune.scaled_dot_product_attention(*qkv, dropout_p=0.1, is_causal=True, enable_gqa=True, sinks=sinks)
+    except cptune.ValidationError as exc:
+        return str(exc)
+    return "nothing raised"
+
+
+def test_dropout_with_sinks_is_refused_inside_a_block(ranks):
+    """Ulysses runs plain attention with dropout, but a call with sinks takes cptune's ring, which has none: refused
+    by name, never run without its dropout."""
+    for strategy in ("ulysses", "ring"):
+        for message in ranks(2).run(_dropout_case, strategy):
+            assert "dropout_p: dropout_p=0.1 is not supported with attention sinks" in message, message

@@ -108,11 +108,9 @@ def attend(s: Setup, query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     call, problems = _forms.prepare(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=enable_gqa, scale=scale,
         causal=s.causal, local_len=full // s.cp if full and s.cp > 1 else None, full_len=full,
-        strategy=s.strategy if s.cp > 1 else "ulysses", ulysses=s.ulysses, masked=masked)
+        strategy=s.strategy if s.cp > 1 else "ulysses", ulysses=s.ulysses, masked=masked, sinks=sinks)
     if docs is not None and call is not None:
         problems += _documents.document_problems(docs, full, call.q.shape[0], "documents")
-    if sinks is not None and call is not None:
-        problems += _sink_problems(sinks, call)
     raise_if(problems)
     q, k, v, scale = call.q, call.k, call.v, call.scale
     if call.local:  # nothing to exchange: a zero-row batch, or keys that are not sharded
@@ -163,19 +161,6 @@ def _to_heads(s: Setup, q, k, v):
     return tuple(_ulysses.seq_to_heads(t, s.ulysses_group, s.ulysses) for t in (q, k, v))
 
 
-def _sink_problems(sinks, call) -> list:
-    """One sink per query head, on a call that exchanges keys (a zero-row batch needs none)."""
-    heads = call.q.shape[1]
-    if not isinstance(sinks, torch.Tensor) or sinks.shape != (heads,):
-        shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        return [Problem("sinks", f"is {shape}, not one logit per query head ({heads},)",
-                        "pass the attention layer's sinks, shaped (num_attention_heads,)")]
-    if call.local and call.q.shape[0]:
-        return [Problem("sinks", "are given for attention to keys that are not split over the CP ranks",
-                        "cptune applies attention sinks to self-attention only")]
-    return []
-
-
 def alone(query, key, value, sinks, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
           documents: torch.Tensor | None = None, window: _documents.Window | None = None) -> torch.Tensor:
     """Attention with ``sinks`` on one device, outside a block: cptune's own ring with no ring (one log-sum-exp term
@@ -186,9 +171,7 @@ def alone(query, key, value, sinks, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         problems.append(Problem("attn_mask", f"is {attn_mask.dtype} with attention sinks",
                                 "pass a bool mask (True: attended)"))
-    if sinks.shape != (query.shape[-3],):
-        problems.append(Problem("sinks", f"is {tuple(sinks.shape)}, not one logit per query head "
-                                         f"({query.shape[-3]},)", "pass the attention layer's sinks"))
+    problems += _forms.sink_problems(sinks, query.shape[-3])
     backend, found = pick_backend(default_backends(), query.device.type, query.dtype, ring=True)
     raise_if(problems + found)
     positions = torch.arange(query.shape[-2]).unsqueeze(0)

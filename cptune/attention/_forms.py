@@ -85,12 +85,22 @@ def _heads(t: torch.Tensor) -> int:
     return t.shape[-3] if t.ndim >= 4 else 1  # (B, S, D) and (S, D): one head
 
 
+def sink_problems(sinks: Any, heads: int) -> list[Problem]:
+    """Attention sinks that are not one logit a query head."""
+    if isinstance(sinks, torch.Tensor) and sinks.shape == (heads,):
+        return []
+    shape = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+    return [Problem("sinks", f"is {shape}, not one logit per query head ({heads},)",
+                    "pass the attention layer's sinks, shaped (num_attention_heads,)")]
+
+
 def prepare(query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: float, is_causal: bool,
             enable_gqa: bool, scale: float | None, causal: bool, local_len: int | None, full_len: int | None,
-            strategy: str, ulysses: int, masked: bool) -> tuple[Prepared | None, list[Problem]]:
+            strategy: str, ulysses: int, masked: bool, sinks: Any = None) -> tuple[Prepared | None, list[Problem]]:
     """Check one SDPA call inside a block and bring it to (B, H, S, D): (the call, []) or (None, problems).
 
-    ``masked``: documents or a window apply to this call; ``ulysses``: the Ulysses degree.
+    ``masked``: documents or a window apply to this call; ``ulysses``: the Ulysses degree; ``sinks``: attention
+    sinks (one logit a query head), which run on cptune's own ring as documents and windows do.
     """
     problems: list[Problem] = []
     if not torch.compiler.is_compiling() and from_transformers():  # every rank comes here: all refuse, none hangs
@@ -167,12 +177,19 @@ def prepare(query: Any, key: Any, value: Any, *, attn_mask: Any, dropout_p: floa
         problems.append(Problem("query", f"has {heads} heads, not divisible by the Ulysses degree {ulysses}",
                                 f"use strategy='ring', or strategy='hybrid' with a ulysses_degree that divides "
                                 f"{heads}"))
-    plain = strategy == "ulysses" and not masked  # Ulysses' whole-sequence SDPA: masks and dropout as on one device
+    ringed = masked or sinks is not None  # on cptune's own ring
+    plain = strategy == "ulysses" and not ringed  # Ulysses' whole-sequence SDPA: masks and dropout as on one device
     if dropout_p and not (plain or local):
-        what = "with documents or a window" if masked else f"by {strategy} attention"
+        what = "with documents or a window" if masked else "with attention sinks" if ringed else \
+            f"by {strategy} attention"
         problems.append(Problem("dropout_p", f"dropout_p={dropout_p} is not supported {what}",
                                 "use dropout_p=0.0 inside the CP block (e.g. attention dropout 0 or model.eval())"
-                                + ("" if masked else ", or strategy='ulysses'")))
+                                + ("" if ringed else ", or strategy='ulysses'")))
+    if sinks is not None:
+        problems += sink_problems(sinks, hq)
+        if cross and not zero:
+            problems.append(Problem("sinks", "are given for attention to keys that are not split over the CP ranks",
+                                    "cptune applies attention sinks to self-attention only"))
     if attn_mask is not None and is_causal and not mask_with_causal():
         problems.append(Problem("attn_mask", "is given with is_causal=True, which this torch's SDPA refuses too",
                                 "fold causality into attn_mask and pass is_causal=False, or drop attn_mask"))

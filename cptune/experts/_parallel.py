@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.nn.functional import all_to_all_single
 
 from ..errors import Problem, raise_if
 
@@ -151,9 +152,8 @@ def ep_parameters(model: nn.Module) -> dict[str, Any]:
     for name, module in model.named_modules():
         if not hasattr(module, "_cptune_experts"):
             continue
-        total = module._cptune_experts[0]
         for pname, p in module.named_parameters(recurse=False):
-            if p.shape[0] * (total // module.num_experts) == total:
+            if p.shape[0] == module.num_experts:  # the rows keep() left: this rank's experts
                 found[f"{name}.{pname}" if name else pname] = module._cptune_ep[1]
     return found
 
@@ -185,8 +185,6 @@ def _forward(module: nn.Module, own: Any, hidden_states: torch.Tensor, top_k_ind
 def _all_to_all(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group) -> torch.Tensor:
     """Rows sent ``in_sizes[j]`` to rank j, ``out_sizes[j]`` received from it; differentiable (the reverse in
     backward)."""
-    from torch.distributed.nn.functional import all_to_all_single
-
     out = rows.new_empty(sum(out_sizes), *rows.shape[1:])
     return all_to_all_single(out, rows.contiguous(), out_sizes, in_sizes, group=group)
 
