@@ -69,7 +69,7 @@ def test_a_two_node_search_writes_its_shape_and_launch_on_each_node_trains_from_
     """Into one PostgreSQL study, which the next job resumes measuring nothing twice."""
     search = ["-m", "cptune", "search", "--seq-len", "512", "--workload",
               "examples.train_llama_cp:search_step", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-              "--out", "two-nodes.yaml", "--script", str(ROOT / "examples" / "train_llama_cp.py"),
+              "--min-seconds", "0.1", "--out", "two-nodes.yaml", "--script", str(ROOT / "examples" / "train_llama_cp.py"),
               "--storage", postgres]
 
     def job():

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.nn.functional import all_to_all_single
 
 from ..errors import Problem, raise_if
 
@@ -185,8 +184,23 @@ def _forward(module: nn.Module, own: Any, hidden_states: torch.Tensor, top_k_ind
 def _all_to_all(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group) -> torch.Tensor:
     """Rows sent ``in_sizes[j]`` to rank j, ``out_sizes[j]`` received from it; differentiable (the reverse in
     backward)."""
-    out = rows.new_empty(sum(out_sizes), *rows.shape[1:])
-    return all_to_all_single(out, rows.contiguous(), out_sizes, in_sizes, group=group)
+    return _AllToAll.apply(rows, out_sizes, in_sizes, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` with uneven rows, its gradient the same trade reversed."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group) -> torch.Tensor:
+        ctx.sizes, ctx.group = (out_sizes, in_sizes), group
+        out = rows.new_empty(sum(out_sizes), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), out_sizes, in_sizes, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_sizes, in_sizes = ctx.sizes
+        return _AllToAll.apply(grad, in_sizes, out_sizes, ctx.group), None, None, None
 
 
 __all__ = ["average_gradients", "averaged", "ep_groups", "ep_parameters", "ep_problems", "expert_parallel",

@@ -52,13 +52,14 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     (:mod:`cptune.experts`: each rank keeps E / ep experts and trades tokens for them by all-to-all); under FSDP2
     the experts are a unit of their own, sharded over their replicas (the ranks of the other groups that hold the
     same experts), their gradients summed there and divided by the world, as the rest are averaged. Every rank
-    calls it (it makes the groups); with a 1-D ``fsdp_mesh`` or none (no tp, no dp_replicate), without ``weights``."""
+    calls it (it makes the groups); with a 1-D ``fsdp_mesh`` or none (no tp, no dp_replicate), without ``weights``,
+    and under FSDP2 with ``ac`` none or full (selective is refused)."""
     device = torch.device(device)
     tp_mesh, fsdp_mesh = P.split_mesh(fsdp_mesh)
     model = _empty_model(config)
     raise_if(cp_problems(config, cp, "cp", model) + (tp_problems(config, tp_mesh.size(), model=model)
                                                       if tp_mesh is not None else []) +
-             _ep_problems(model, ep, fsdp_mesh, tp_mesh, weights))
+             _ep_problems(model, ep, fsdp_mesh, tp_mesh, weights, ac))
     groups = experts.ep_groups(ep) if ep > 1 else None
     if weights is not None:
         tensors = _weights.stored_tensors(weights)
@@ -94,10 +95,14 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
     return model
 
 
-def _ep_problems(model: nn.Module, ep: int, fsdp_mesh: Any, tp_mesh: Any, weights: Any) -> list:
+def _ep_problems(model: nn.Module, ep: int, fsdp_mesh: Any, tp_mesh: Any, weights: Any, ac: str | None) -> list:
     if ep <= 1:
         return []
     problems = experts.ep_problems(model, ep) + experts.world_problems(ep)
+    if ac == "selective" and fsdp_mesh is not None:  # the experts' FSDP2 unit runs its hooks again in the recompute
+        problems.append(Problem("ac", "is 'selective' with ep under FSDP2", "use ac='full' or 'none' with ep: "
+                                "selective checkpointing's op cache meets ops of the experts' own FSDP2 unit in the "
+                                "recompute that its forward did not record (DeepSeek-V3 fails there)"))
     if tp_mesh is not None or (fsdp_mesh is not None and fsdp_mesh.ndim > 1):
         problems.append(Problem("ep", f"is {ep} with tensor parallelism or HSDP", "use a 1-D fsdp_mesh (dp_shard x "
                                 "cp) with ep: experts beside tp and dp_replicate are not built yet"))
