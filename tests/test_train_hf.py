@@ -40,31 +40,29 @@ def _recipe(tmp_path, workload, mesh, script="examples/train_hf.py"):
 
 
 def test_packed_training_on_four_ranks_equals_one_process_and_resumes_from_a_checkpoint(tmp_path):
-    """dp 2 x cp 2 from a recipe: packed long-tailed documents, selective AC, FSDP2; stopped after 2 steps and
-    resumed from its checkpoint, the 3 steps' losses are the one-process run's."""
+    """Packed long-tailed documents, selective AC, from a recipe on four ranks: tp2·cp2 (the model split by its own
+    TP plan, FSDP2 over cp) for 2 steps; its checkpoint resumed as dp2·cp2 (FSDP2 over all four: DCP reshards it),
+    the first-step check forced there, for step 3; that checkpoint resumed as tp2·cp2 for step 4. The 4 losses are
+    the one-process run's."""
     _recipe(tmp_path, cptune.models.model_workload(MODEL, seq_len=128, batch=1, documents="longtail",
                                                    ac="selective"), (2, 2))
     run([sys.executable, SCRIPT, "--model", str(MODEL), "--seq-len", "128", "--batch", "2", "--documents", "longtail",
-         "--steps", "3", "--losses-out", "one.json"], tmp_path)
-    first = run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "2", "--checkpoint-dir", "ck", "--losses-out",
-                 "a.json", "--check", "always"], tmp_path)  # the first-step check up front: the same losses after it
-    assert "cptune first-step check of LlamaForCausalLM (llama) under dp2·cp2" in first.stdout \
-        and "packed, float32): exact;" in first.stdout, first.stdout
+         "--steps", "4", "--losses-out", "one.json"], tmp_path)
+    tp = ["config.mesh_shape=[1,1,2,2]", "--", SCRIPT, "--batch", "2", "--checkpoint-dir", "ck"]
+    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "2", "--losses-out", "a.json"], tmp_path)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["step-2"]  # whole, no .partial left
-    run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "3", "--checkpoint-dir", "ck", "--resume",
-         "--losses-out", "b.json"], tmp_path)
-    one, a, b = losses(tmp_path / "one.json"), losses(tmp_path / "a.json"), losses(tmp_path / "b.json")
-    assert (a["dp"], a["cp"]) == (2, 2) and b["start"] == 2 and len(b["losses"]) == 1
-    assert max(abs(x - y) for x, y in zip(a["losses"] + b["losses"], one["losses"])) <= 1e-5, (a, b, one)
-    # the same recipe launched as tp2·cp2 (the model split by its own TP plan, FSDP2 over cp): the same losses,
-    # its tensor-parallel checkpoint resumed
-    tp = ["config.mesh_shape=[1,1,2,2]", "--", SCRIPT, "--batch", "2", "--checkpoint-dir", "tp"]
-    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "2", "--losses-out", "c.json"], tmp_path)
-    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "3", "--resume", "--losses-out",
-         "d.json"], tmp_path)
-    c, d = losses(tmp_path / "c.json"), losses(tmp_path / "d.json")
-    assert (c["dp"], c["cp"]) == (1, 2) and d["start"] == 2 and c["loss"] == "vocab-parallel"
-    assert max(abs(x - y) for x, y in zip(c["losses"] + d["losses"], one["losses"])) <= 1e-5, (c, d, one)
+    resumed = run([*torchrun(4), SCRIPT, "--recipe", "r.yaml", "--steps", "3", "--checkpoint-dir", "ck", "--resume",
+                   "--losses-out", "b.json", "--check", "always"], tmp_path)  # the check up front: the same loss
+    assert "cptune first-step check of LlamaForCausalLM (llama) under dp2·cp2" in resumed.stdout \
+        and "packed, float32): exact;" in resumed.stdout, resumed.stdout
+    run([sys.executable, "-m", "cptune", "launch", "r.yaml", *tp, "--steps", "4", "--resume", "--losses-out",
+         "c.json"], tmp_path)
+    one, a, b, c = (losses(tmp_path / f"{x}.json") for x in ("one", "a", "b", "c"))
+    assert (a["dp"], a["cp"]) == (1, 2) and a["loss"] == c["loss"] == "vocab-parallel", (a, c)
+    assert (b["dp"], b["cp"]) == (2, 2) and (b["start"], c["start"]) == (2, 3) and len(b["losses"]) == 1, (b, c)
+    assert max(abs(x - y) for x, y in zip(a["losses"] + b["losses"] + c["losses"], one["losses"])) <= 1e-5, \
+        (a, b, c, one)
+    assert len(a["losses"] + b["losses"] + c["losses"]) == 4
 
 
 def test_the_same_run_twice_gives_the_same_losses(tmp_path):

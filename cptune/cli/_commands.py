@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -144,9 +143,26 @@ def launch(recipe_path, extra, dry_run, nnodes, node_rank, rdzv_endpoint) -> Non
     # the script's own checks, once, before torchrun starts a rank: a bad override is one message, not one a rank
     preflight(script, args if args is not None else list(patched.launch.args), recipe_abs,
               (nnodes or patched.launch.nnodes) * patched.launch.nproc_per_node, patched.launch.nproc_per_node)
-    env = {**os.environ, ENV_VAR: recipe_abs}
-    code = subprocess.call([sys.executable, "-m", "torch.distributed.run", *argv[1:]], env=env)
-    sys.exit(code)
+    os.environ[ENV_VAR] = recipe_abs  # the ranks read the recipe from it
+    sys.exit(_torchrun(argv[1:]))
+
+
+def _torchrun(args: list[str]) -> int:
+    """torchrun's agent in this process (``python -m torch.distributed.run ARGS`` without a second interpreter):
+    its exit code; a rank's failure is torchrun's summary of it, not a traceback of cptune."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(args)
+    except ChildFailedError as exc:
+        click.echo(exc.format_msg(), err=True)
+        return 1
+    except SignalException as exc:  # the job was signalled: torchrun stopped its ranks
+        click.echo(f"cptune launch: stopped by {exc.sigval.name}", err=True)
+        return 128 + int(exc.sigval)
+    return 0
 
 
 def _launch_dir() -> str:
