@@ -55,3 +55,13 @@ def write_recipe(path, workload, config, script=None):
     return save_recipe(Recipe(workload=workload, config=config, launch=Launch(nproc_per_node=ranks, script=script),
                               provenance=Provenance(**environment("cpu", ranks).provenance()),
                               metrics=Metrics(measured=False)), path)
+
+
+def run_ok(args, cwd, timeout=600):
+    """``args`` run as its own process (a script or cptune command forked from the session's warm interpreter,
+    :mod:`tests._warm`), which must exit 0; what ``subprocess.run`` returns."""
+    from tests._warm import run
+
+    result = run(args, cwd, timeout=timeout)
+    assert result.returncode == 0, f"{args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result

@@ -4,22 +4,19 @@ sharded by cptune.parallelize)."""
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import cptune
-from tests._helpers import write_recipe
+from tests._helpers import run_ok, write_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(args, cwd, timeout=300):
-    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result
+    return run_ok(args, cwd, timeout)
 
 
 def test_search_writes_recipe_resumes_and_trains_like_one_process(tmp_path):

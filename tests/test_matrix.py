@@ -3,7 +3,6 @@ config class, under the ring and Ulysses (unpadded and packed) on 2 ranks and tp
 refused by name, the table in docs/transformers.md what the run printed. The layer rule (cptune/mixers/_rule.py) names
 every layer that mixes tokens outside attention in every entry point, before any rank or collective."""
 
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from benchmarks import matrix as M
 from cptune import models
 from cptune.mixers import _choice as _paths
 from cptune.mixers import _rule as _mixers
+from tests import _warm as warm
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,15 +173,15 @@ def test_launch_names_a_bad_tp_override_once_before_any_rank_starts(tmp_path):
                                layers=2)
     recipe = write_recipe(tmp_path / "r.yaml", workload, cptune.CPConfig(mesh_shape=(1, 4)),
                           script="cptune.examples.train_hf")
-    run = subprocess.run([sys.executable, "-m", "cptune", "launch", str(recipe), "config.mesh_shape=[1,1,1,4]", "--",
-                          "--steps", "1"], capture_output=True, text=True, timeout=300)
+    run = warm.run([sys.executable, "-m", "cptune", "launch", str(recipe), "config.mesh_shape=[1,1,1,4]", "--",
+                    "--steps", "1"], tmp_path, 300)
     assert run.returncode == 1, run.stderr
     assert run.stderr.count("4 does not divide the 6 query heads") == 1, run.stderr
     assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr and "torch.distributed" not in \
         run.stderr, run.stderr
     # tp 2 leaves 3 heads a rank, which 2 Ulysses ranks do not split: one message too, before torchrun
-    run = subprocess.run([sys.executable, "-m", "cptune", "launch", str(recipe), "config.mesh_shape=[1,1,2,2]",
-                          "config.strategy=ulysses", "--", "--steps", "1"], capture_output=True, text=True, timeout=300)
+    run = warm.run([sys.executable, "-m", "cptune", "launch", str(recipe), "config.mesh_shape=[1,1,2,2]",
+                    "config.strategy=ulysses", "--", "--steps", "1"], tmp_path, 300)
     assert run.returncode == 1 and run.stderr.count("2 Ulysses ranks do not divide the 3 query heads") == 1, \
         run.stderr
     assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr

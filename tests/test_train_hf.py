@@ -11,7 +11,8 @@ import pytest
 import cptune
 from cptune.cli import main
 from cptune.recipe import Metrics
-from tests._helpers import write_recipe
+from tests import _warm as warm
+from tests._helpers import run_ok, write_recipe
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,9 +22,7 @@ SCRIPT = str(ROOT / "examples/train_hf.py")
 
 
 def run(args, cwd, timeout=600):
-    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{args}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    return result
+    return run_ok(args, cwd, timeout)
 
 
 def torchrun(nproc):
@@ -129,16 +128,13 @@ def test_a_model_search_with_max_tp_measures_the_model_split_by_tensor_paralleli
     tp = rows[(1, 2, 1, 2)]  # dp2·cp1·tp2: measured, fits, and its peak is a sharded model's
     assert tp["feasible"] and 0 < tp["peak_bytes"] <= rows[(4, 1)]["peak_bytes"] * 1.5, rows.keys()
     assert any(len(t["config"]["mesh_shape"]) == 4 and t["config"]["mesh_shape"][2] == 2 for t in found["trials"])
-    refused = subprocess.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--max-tp", "2"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    refused = warm.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--max-tp", "2"], tmp_path, 120)
     assert refused.returncode == 1 and "--max-tp: is 2 but there is no model to split" in refused.stderr, refused.stderr
-    refused = subprocess.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--loss", "whole"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    refused = warm.run([sys.executable, "-m", "cptune", "search", "--seq-len", "64", "--loss", "whole"], tmp_path, 120)
     assert refused.returncode == 1 and "--loss: is how a --model's step takes its loss" in refused.stderr, \
         refused.stderr
     # the study's axes hold tp: resumed by name without --max-tp, it is another question, said by name
-    other = subprocess.run([*search, "--study-name", found["study_name"]], cwd=tmp_path, capture_output=True,
-                           text=True, timeout=300)
+    other = warm.run([*search, "--study-name", found["study_name"]], tmp_path, 300)
     assert other.returncode == 1 and "tensor-parallel degrees [1, 2] -> [1]" in other.stderr, other.stderr[-2000:]
 
 

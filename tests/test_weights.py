@@ -15,6 +15,7 @@ import torch.distributed as dist
 import cptune
 from cptune import models
 from cptune.models import _weights
+from tests import _warm as warm
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,8 +113,8 @@ def test_an_export_after_three_steps_of_sharded_training_loads_with_from_pretrai
         got, want, before = (m(input_ids=IDS).logits for m in (exported, trained, loaded))
     assert (got - want).abs().max().item() <= 1e-5
     assert (want - before).abs().max().item() > 1e-3  # three steps changed the model
-    again = subprocess.run([sys.executable, script, "--model", str(model_dir), "--steps", "1", "--export", "out"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    again = warm.run([sys.executable, script, "--model", str(model_dir), "--steps", "1", "--export", "out"], tmp_path,
+                     300)
     assert again.returncode == 1 and "--export: out already exists" in again.stderr and "Fix:" in again.stderr
     assert "step 0" not in again.stdout  # refused before training
 
@@ -266,10 +267,9 @@ def test_a_model_no_rank_can_hold_even_sharded_is_refused_before_any_rank_starts
               "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
               "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, "-m", "cptune", "search", "--model", str(tmp_path), "--model-override",
-                           "num_hidden_layers=2", "--seq-len", "1024", "--nproc", "2", "--memory-budget", "4GiB",
-                           "--storage", f"sqlite:///{tmp_path}/s.db"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    done = warm.run([sys.executable, "-m", "cptune", "search", "--model", str(tmp_path), "--model-override",
+                     "num_hidden_layers=2", "--seq-len", "1024", "--nproc", "2", "--memory-budget", "4GiB",
+                     "--storage", f"sqlite:///{tmp_path}/s.db"], tmp_path, 120)
     assert done.returncode == 1, done.stderr
     assert "--memory-budget: 4.00GiB per rank cannot hold" in done.stderr and "even sharded over 2 ranks" in done.stderr
     assert "Fix: run on more ranks" in done.stderr and "Traceback" not in done.stderr
