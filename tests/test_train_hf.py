@@ -12,17 +12,13 @@ import cptune
 from cptune.cli import main
 from cptune.recipe import Metrics
 from tests import _warm as warm
-from tests._helpers import run_ok, write_recipe
+from tests._helpers import run_ok as run, write_recipe
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "tests/models/tiny-llama"
 SCRIPT = str(ROOT / "examples/train_hf.py")
-
-
-def run(args, cwd, timeout=600):
-    return run_ok(args, cwd, timeout)
 
 
 def torchrun(nproc):
