@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,12 @@ def short(cell: dict) -> str:
     if "TP plan" in text:
         styles = sorted(set(re.findall(r": (\w+)(?:;|\))", text)))
         return f"refused: TP plan ({', '.join(styles)})" if styles else "refused: TP plan"
+    if "whose vision-language models cptune does not split" in text:
+        return "refused: transformers too old"
+    if "whose vision part cptune does not split" in text:
+        return "refused: tower not split"
+    if "vision rows cptune's support matrix has not proven" in text:
+        return "refused: vision unproven"
     if "softcapping" in text:
         return "refused: attention softcapping"
     if "attention implementation" in text or "cannot run under cptune's SDPA" in text:
@@ -48,15 +55,17 @@ def short(cell: dict) -> str:
     return "refused: " + text.split(":", 2)[1].strip()[:40]
 
 
-def table(matrix: dict[str, dict[str, dict]], version: str) -> str:
-    """The docs' table (markdown) of ``matrix``."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def table(matrix: dict[str, dict[str, dict]], version: str, columns: list[str] | None = None,
+          classes: str = "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES") -> str:
+    """The docs' table (markdown) of ``matrix`` (its ``columns``, each family's class from transformers' ``classes``
+    mapping)."""
+    from transformers.models.auto import modeling_auto
 
-    columns = [*CP_CELLS, TP_CELL]
+    columns = columns or [*CP_CELLS, TP_CELL]
     lines = [f"| family (transformers {version}) | class | " + " | ".join(columns) + " |",
              "|" + "---|" * (len(columns) + 2)]
     for family, cells in matrix.items():
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(family, "")
+        name = getattr(modeling_auto, classes).get(family, "")
         lines.append(f"| `{family}` | {name} | " + " | ".join(short(cells[c]) for c in columns if c in cells) + " |")
     return "\n".join(lines)
 
@@ -64,38 +73,44 @@ def table(matrix: dict[str, dict[str, dict]], version: str) -> str:
 DOC = ROOT / "docs" / "transformers.md"
 
 
-def _markers(version: str) -> tuple[str, str]:
-    """The docs' markers around the table of ``version``'s major release (one table for 5.x, one for 4.x)."""
+def _markers(version: str, rows: str = "matrix") -> tuple[str, str]:
+    """The docs' markers around the table of ``version``'s major release (one table for 5.x, one for 4.x); ``rows``:
+    "matrix" (benchmarks.matrix) or "matrix_vision" (its vision-language rows)."""
     major = version.split(".", 1)[0]
-    return (f"<!-- matrix, transformers {major}: begin (python -m benchmarks.matrix --update-docs) -->",
-            f"<!-- matrix, transformers {major}: end -->")
+    what = "matrix" if rows == "matrix" else "vision rows"
+    return (f"<!-- {what}, transformers {major}: begin (python -m benchmarks.{rows} --update-docs) -->",
+            f"<!-- {what}, transformers {major}: end -->")
 
 
-def documented(version: str) -> str | None:
+def documented(version: str, rows: str = "matrix") -> str | None:
     """The table docs/transformers.md holds for ``version``'s major release (None: none yet)."""
-    begin, end = _markers(version)
+    begin, end = _markers(version, rows)
     text = DOC.read_text()
     if begin not in text:
         return None
     return text.split(begin, 1)[1].split(end, 1)[0].strip()
 
 
-def proven(matrix: dict[str, dict[str, dict]]) -> list[str]:
+def proven(matrix: dict[str, dict[str, dict]], cells: Iterable[str] = tuple(CP_CELLS)) -> list[str]:
     """The families exact in every CP cell: what ``cptune.hf``'s first-step check takes as proven."""
-    return sorted(f for f, cells in matrix.items() if all(cells[c]["status"] == "exact" for c in CP_CELLS))
+    cells = list(cells)
+    return sorted(f for f, row in matrix.items() if all(row[c]["status"] == "exact" for c in cells))
 
 
-def write_proven(matrix: dict[str, dict[str, dict]], version: str) -> None:
-    """``cptune/_proven.json``'s list for ``version``'s major release, from this run."""
+def write_proven(matrix: dict[str, dict[str, dict]], version: str, rows: str = "matrix",
+                 names: list[str] | None = None) -> None:
+    """``cptune/hf/proven.json``'s list for ``version``'s major release, from this run (``names``: the list, when the
+    rows say it otherwise; the vision rows' list under "<major>-vision")."""
     from cptune.hf import PROVEN_FILE
 
     data = json.loads(PROVEN_FILE.read_text()) if PROVEN_FILE.exists() else {}
-    data[version.split(".", 1)[0]] = proven(matrix)
+    major = version.split(".", 1)[0]
+    data[major if rows == "matrix" else f"{major}-vision"] = proven(matrix) if names is None else names
     PROVEN_FILE.write_text(json.dumps(dict(sorted(data.items(), reverse=True)), indent=1) + "\n")
 
 
-def update_docs(text: str, version: str) -> None:
-    begin, end = _markers(version)
+def update_docs(text: str, version: str, rows: str = "matrix") -> None:
+    begin, end = _markers(version, rows)
     doc = DOC.read_text()
     block = f"{begin}\n{text}\n{end}"
     if begin in doc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -133,9 +133,10 @@ class _Session:
         at 0 in each document, as transformers reads a packed batch: the block deals the tokens by their work when
         it opens. They apply to attention only when the model says so (``cptune.hf`` finds the same packing)."""
         for name, t, dim in zip(self.plan.names, self.plan.tensors, self.plan.dims):
-            if name.endswith("['position_ids']") and dim == t.ndim - 1 and t.ndim <= 2 and not t.is_floating_point() \
-                    and t.dtype != torch.bool and t.shape[-1] == self.plan.seq_len:
-                return A.packed_documents(t.detach().cpu().reshape(-1, t.shape[-1]))
+            text = A.text_positions(t) if name.endswith("['position_ids']") and dim == t.ndim - 1 else None
+            if text is not None and text.ndim <= 2 and not text.is_floating_point() and text.dtype != torch.bool \
+                    and text.shape[-1] == self.plan.seq_len:
+                return A.packed_documents(text.detach().cpu().reshape(-1, text.shape[-1]))
         return None
 
     def _resolve_mesh(self, mesh: DeviceMesh | None, buffer_device: str | None) -> list[Problem]:
@@ -276,6 +277,20 @@ class _Session:
                           "as a dict with the position ids under 'position_ids', or documents="
                           "cptune.documents_from_position_ids(position_ids)) to deal them by work", CPTuneWarning,
                           stacklevel=2)
+
+    @contextlib.contextmanager
+    def own_attention(self) -> Iterator[None]:
+        """SDPA calls inside go to torch's own SDPA, not the block's (a vision tower attending within one image on
+        this rank's images; its recompute under activation checkpointing enters this again)."""
+        paused, self._route.paused = self._route.paused, True
+        try:
+            yield
+        finally:
+            self._route.paused = paused
+
+    def held(self) -> list[torch.Tensor]:
+        """Each CP rank's positions of the block's sequence, in its local order."""
+        return [self.layout.indices(self.plan.seq_len, r) for r in range(self.cp)]
 
     def local_positions(self) -> torch.Tensor:
         """(B or 1, this rank's tokens): where each token this rank holds sits in its document (in the row when

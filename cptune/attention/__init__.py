@@ -17,7 +17,7 @@ from ._attend import RING_ATTENTION_OPS, Setup, alone, attend, ring_positions
 from ._blocks import needs
 from ._documents import as_rows, check_window, chunked, dense_mask, document_problems, documents_from_cu_seqlens, \
     documents_from_eos, documents_from_lengths, documents_from_position_ids, lengths_from_spec, \
-    packed_documents, positions_in_documents, read_spec, token_work, work_chunks
+    packed_documents, positions_in_documents, read_spec, text_positions, token_work, work_chunks
 from ._hooks import ForwardRecord, counting, recording
 from ._kernels import RING_BACKENDS, SDPA_BACKENDS, SDPA_KERNELS, backend_problem, default_backends, pick_backend, \
     ring_backend_problem
@@ -35,5 +35,5 @@ __all__ = [
     "Layout", "lengths_from_spec", "needs", "packed_documents", "patched_sdpa", "pick_backend",
     "positions_in_documents", "read_spec", "recording", "release_groups", "require_cp", "ring_attention",
     "ring_backend_problem", "ring_positions", "Route", "SDPAMode", "seq_to_heads", "Setup", "shard",
-    "token_work", "unwrap", "work_chunks",
+    "text_positions", "token_work", "unwrap", "work_chunks",
 ]

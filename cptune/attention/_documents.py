@@ -34,6 +34,15 @@ def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(-1).reshape(position_ids.shape)
 
 
+def text_positions(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The positions a packing is read from, as transformers reads them: (B, S) or (S,) as given; a multimodal
+    model's (4, B, S) (the text positions, then M-RoPE's time, height and width): its first row; its (3, B, S) (no
+    text row): None, nothing is read as packed."""
+    if position_ids is None or position_ids.ndim < 3:
+        return position_ids
+    return position_ids[0] if position_ids.ndim == 3 and position_ids.shape[0] == 4 else None
+
+
 def packed_documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     """:func:`documents_from_position_ids`, or None when every row holds one document (nothing is packed)."""
     ids = documents_from_position_ids(position_ids)

@@ -12,7 +12,7 @@ top-k expert indices and weights (``Qwen3MoeExperts``, ``MixtralExperts``, ``Gpt
 3. the outputs come back by the reverse all-to-all, are weighted by the router's weights on the token's own rank
    (the router's gradient stays local) and summed over the k experts.
 
-Backward runs the same all-to-alls in reverse (``torch.distributed.nn``'s differentiable all-to-all). A rank's expert
+Backward runs the same all-to-alls in reverse (cptune's differentiable all-to-all, ``_collectives``). A rank's expert
 gradients sum every token its ep group routed to them; summed again over the expert's replicas (the ranks of the
 other groups that hold it) they are the whole world's, divided by the world as every other gradient is averaged
 (:func:`average_gradients`). Tokens are independent for the experts, so the ep groups may be any ranks: inside the
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._collectives import all_to_all_rows
 from ..errors import Problem, raise_if
 
 
@@ -172,35 +173,13 @@ def _forward(module: nn.Module, own: Any, hidden_states: torch.Tensor, top_k_ind
     rows = hidden_states[torch.div(order, k, rounding_mode="floor")]
     ids = torch.empty(sum(recv_sizes), dtype=flat.dtype, device=flat.device)
     dist.all_to_all_single(ids, (flat % local)[order].contiguous(), recv_sizes, send_sizes, group=group)
-    got = _all_to_all(rows, recv_sizes, send_sizes, group)
+    got = all_to_all_rows(rows, recv_sizes, send_sizes, group)
     ones = torch.ones(got.shape[0], 1, dtype=top_k_weights.dtype, device=got.device)
     out = own(module, got, ids.unsqueeze(1), ones)
-    back = _all_to_all(out, send_sizes, recv_sizes, group)
+    back = all_to_all_rows(out, send_sizes, recv_sizes, group)
     pairs = torch.empty_like(back).index_copy(0, order, back)  # back in (token, k) order
     weighted = pairs.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(pairs.dtype)
     return weighted.sum(1).to(hidden_states.dtype)
-
-
-def _all_to_all(rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group) -> torch.Tensor:
-    """Rows sent ``in_sizes[j]`` to rank j, ``out_sizes[j]`` received from it; differentiable (the reverse in
-    backward)."""
-    return _AllToAll.apply(rows, out_sizes, in_sizes, group)
-
-
-class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` with uneven rows, its gradient the same trade reversed."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group) -> torch.Tensor:
-        ctx.sizes, ctx.group = (out_sizes, in_sizes), group
-        out = rows.new_empty(sum(out_sizes), *rows.shape[1:])
-        dist.all_to_all_single(out, rows.contiguous(), out_sizes, in_sizes, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out_sizes, in_sizes = ctx.sizes
-        return _AllToAll.apply(grad, in_sizes, out_sizes, ctx.group), None, None, None
 
 
 __all__ = ["average_gradients", "averaged", "ep_groups", "ep_parameters", "ep_problems", "expert_parallel",

@@ -48,6 +48,7 @@ from typing import Any
 from ._check import CHECK_MODES, PROVEN_FILE, check, proven, proven_families
 from ._enable import ATTN_IMPLEMENTATION, attention_forward, enable
 from ._lm_loss import causal_lm_loss
+from ._vision import position_ids
 
 
 def __getattr__(name: str) -> Any:
@@ -59,4 +60,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["ATTN_IMPLEMENTATION", "CHECK_MODES", "PROVEN_FILE", "Trainer", "attention_forward",  # noqa: F822
-           "causal_lm_loss", "check", "enable", "proven", "proven_families", "takes_sharded_models"]  # (__getattr__'s)
+           "causal_lm_loss", "check", "enable", "position_ids", "proven", "proven_families",
+           "takes_sharded_models"]  # (__getattr__'s)

@@ -45,6 +45,12 @@ def proven_families() -> dict[str, tuple[str, ...]]:
     return {major: tuple(names) for major, names in json.loads(PROVEN_FILE.read_text()).items()}
 
 
+def _proven_names(major: str) -> set[str]:
+    """The model types proven on a major release: the matrix's families, and the vision rows' (their language models'
+    text-only calls included)."""
+    return {*proven_families().get(major, ()), *proven_families().get(f"{major}-vision", ())}
+
+
 def family(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     text = getattr(config, "get_text_config", lambda: config)()
@@ -58,7 +64,16 @@ def proven(config) -> bool:
 
     text = getattr(config, "get_text_config", lambda: config)()
     major = transformers.__version__.split(".", 1)[0]
-    return str(getattr(text, "model_type", None)) in proven_families().get(major, ())
+    return str(getattr(text, "model_type", None)) in _proven_names(major)
+
+
+def proven_vision(model: nn.Module) -> bool:
+    """Whether the support matrix's vision rows ran ``model``'s family exact (its own model type, not its text
+    model's, is in the file) on this transformers' major release."""
+    import transformers
+
+    major = transformers.__version__.split(".", 1)[0]
+    return str(getattr(model.config, "model_type", None)) in proven_families().get(f"{major}-vision", ())
 
 
 def unproven_why(model: nn.Module) -> str | None:
@@ -70,7 +85,7 @@ def unproven_why(model: nn.Module) -> str | None:
     if getattr(model, "_cptune_token_wise", None):
         return f"modules vouched for as per-token ({', '.join(sorted(model._cptune_token_wise))})"
     major = transformers.__version__.split(".", 1)[0]
-    if family(model) not in proven_families().get(major, ()):
+    if family(model) not in _proven_names(major):
         return f"the support matrix has not proven {family(model)} on transformers {major}.x"
     return None
 

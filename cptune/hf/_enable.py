@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..attention import documents_from_cu_seqlens, packed_documents
-from . import _families
+from ..attention import documents_from_cu_seqlens, packed_documents, text_positions
+from . import _families, _vision
 from .. import mixers as _mixers
 from ._check import CHECK_MODES, check_in_block
 from ..mixers import cp_problems, layer_kinds, model_coverage
@@ -28,6 +28,9 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature; (B, H, S, D) in, (B, S, H, D) out."""
+    if getattr(module, "_cptune_per_image", None):  # a vision tower's, within one image: never the block's
+        return _vision.per_image_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, is_causal=is_causal, **kwargs)
     raise_if([Problem(name, f"is set: {what} cannot run under cptune's SDPA attention",
                       "train this model without it, or without context parallelism")
               for name, what in _UNSUPPORTED.items() if kwargs.get(name) is not None])
@@ -101,12 +104,12 @@ def _packed_documents(session: Any, given: dict[str, Any]) -> None:
     if cu is not None:
         session.use_documents(documents_from_cu_seqlens(cu), "cu_seq_lens_q")
     positions = given.get("position_ids")
-    if positions is None or given.get("attention_mask") is not None:
+    if text_positions(positions) is None or given.get("attention_mask") is not None:
         return
     full = session.full_tensor(positions)
     if full is None:  # not one of the block's buffers: gather it (every rank runs this hook)
         full = session.unshard(positions, positions.ndim - 1) if session.cp > 1 else positions
-    ids = packed_documents(full)
+    ids = packed_documents(text_positions(full))
     if ids is not None:
         session.use_documents(ids, "position_ids")
 
@@ -135,7 +138,11 @@ def _check_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple
         problems.append(Problem("labels", "would be shifted inside this rank's shard, pairing tokens that are "
                                 "not neighbours", "shift before sharding: labels = cptune.shift_labels(input_ids) "
                                 "as a buffer, then call the model with shift_labels=labels (not labels=)"))
+    if session.cp > 1:
+        problems += _vision.call_problems(module, session, given)
     raise_if(problems)
+    if session.cp > 1:
+        _vision.stash(module, session, given)  # the whole batch's placeholders, for the tower's calls
     _packed_documents(session, given)
     if session.cp > 1 and not getattr(module, "_cptune_checking", False):
         check_in_block(module, session)  # a family the matrix has not proven: run whole and split, compared
@@ -199,5 +206,6 @@ def enable(model: nn.Module, token_wise: Iterable[type | str] = (), check: str |
     # first-step check runs whole forwards and backwards of the model, which must come before FSDP2 gathers the
     # root's parameters for the step (enable again after wrapping the model yourself)
     model._cptune_hook = model.register_forward_pre_hook(_check_call, with_kwargs=True, prepend=True)
+    _vision.prepare(model)  # a vision-language model's tower: split over the ranks, its attention its own
     _set_implementation(model, ATTN_IMPLEMENTATION)
     return model

@@ -17,8 +17,8 @@ from ._contract import PATHS
 from ._choice import path, prepare, splits
 from ._generic import by_document, gather_inputs, segments
 from ._rule import Mixer, covered, cp_problems, decoder_layers, describe, is_attention_kind, layer_kinds, \
-    model_coverage, model_mixers, token_mixers
+    model_coverage, model_mixers, per_image_parts, token_mixers
 
 __all__ = ["Mixer", "PATHS", "by_document", "covered", "cp_problems", "decoder_layers", "describe", "gather_inputs",
-           "is_attention_kind", "layer_kinds", "model_coverage", "model_mixers", "path", "prepare", "segments",
-           "splits", "token_mixers"]
+           "is_attention_kind", "layer_kinds", "model_coverage", "model_mixers", "path", "per_image_parts", "prepare",
+           "segments", "splits", "token_mixers"]

@@ -144,16 +144,40 @@ def decoder_layers(model: nn.Module, required: bool = True) -> list[nn.Module]:
     return layers
 
 
+def per_image_parts(model: nn.Module) -> list[str]:
+    """A vision-language model's parts beside its language model (the vision tower, the projector): the other
+    children of the module that holds a ``language_model`` (transformers 5's layout; ``text_model`` in Idefics3's and
+    SmolVLM's). They run per image or frame, not along the language model's sequence, so this rule does not judge
+    them: :mod:`cptune.hf._vision` does."""
+    for path, module in model.named_modules():
+        names = [n for n, _ in module.named_children()]
+        language = next((n for n in ("language_model", "text_model") if n in names), None)
+        if language is not None and len(names) > 1:
+            return [f"{path}.{n}" if path else n for n in names if n != language]
+    return []
+
+
+def _language_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers along the language model's sequence (a vision tower's blocks are per image)."""
+    parts = per_image_parts(model)
+    paths = {id(m): p for p, m in model.named_modules()}
+    return [layer for layer in decoder_layers(model, required=False)
+            if not any(paths.get(id(layer), "") == p or paths.get(id(layer), "").startswith(f"{p}.") for p in parts)]
+
+
 def model_mixers(model: nn.Module, token_wise: Iterable[type | str] = ()) -> list[Mixer]:
-    """:func:`token_mixers` of a transformers model: its config's layer kinds read against its decoder layers."""
-    return token_mixers(model, getattr(model, "config", None), decoder_layers(model, required=False), token_wise)
+    """:func:`token_mixers` of a transformers model: its config's layer kinds read against its decoder layers; a
+    vision-language model's parts beside its language model left out (:func:`per_image_parts`)."""
+    parts = per_image_parts(model)
+    found = token_mixers(model, getattr(model, "config", None), _language_layers(model), token_wise)
+    return [m for m in found if not any(m.path == p or m.path.startswith(f"{p}.") for p in parts)]
 
 
 def model_coverage(model: nn.Module, token_wise: Iterable[type | str] = ()) -> tuple[dict[str, nn.Module],
                                                                                        list[Mixer]]:
     """:func:`covered` of a transformers model's :func:`model_mixers`: (what the generic path runs whole, what is
     left to refuse)."""
-    return covered(model, model_mixers(model, token_wise), decoder_layers(model, required=False))
+    return covered(model, model_mixers(model, token_wise), _language_layers(model))
 
 
 _ATTENTION_CHILD = re.compile(r"(attn|attention)$", re.I)
