@@ -69,6 +69,11 @@ class Workload(StrictModel):
     """How a --model's step takes its loss: ``chunked`` (:func:`cptune.hf.causal_lm_loss`: never the whole logits,
     vocabulary-parallel under tp), or ``whole`` (the model's own ``.loss`` from the whole logits, for a step that
     needs them)."""
+    video: str | None = Field(None, pattern=r"^[1-9]\d*,[1-9]\d*,[1-9]\d*$", json_schema_extra={
+        "fix": "give --video as T,H,W: temporal patches, height and width in patches (a video_grid_thw row)"})
+    """A --model vision-language model's video per sequence: ``'T,H,W'`` (its ``video_grid_thw`` row: temporal patches,
+    height and width in patches), synthetic frames of that shape in each row among text (:func:`cptune.hf.video_batch`);
+    None: text only."""
     model_overrides: dict[str, Any] | None = Field(None, json_schema_extra={
         "fix": "give --model-override as KEY=VALUE, e.g. num_hidden_layers=4"})
     """Config fields changed before the model is built (e.g. fewer layers for a quick probe)."""
@@ -91,12 +96,16 @@ class Workload(StrictModel):
         if self.model is not None and self.step is not None:
             raise ProblemError(Problem("model", "is given with --workload", "measure one of them: "
                                        "--model for a transformers model, --workload for your own step"))
+        if self.video is not None and (self.model is None or self.documents is not None):
+            raise ProblemError(Problem("video", "is given " + ("without --model" if self.model is None else
+                                       "with --documents"), "measure a video with --model (a vision-language "
+                                       "model) and one sample a sequence (no --documents)"))
         if self.window is not None and not self.causal:
             raise ProblemError(Problem("window", "is set for non-causal attention",
                                        "use --causal with --window (cptune's searches model causal windows)"))
         return self
 
-    _ADDED = ("documents", "window", "model", "model_overrides", "loss")  # fields after 0.1.0's studies: left out at their default
+    _ADDED = ("documents", "window", "model", "model_overrides", "loss", "video")  # fields after 0.1.0's studies: left out at their default
 
     def question(self) -> dict:
         """This workload as a study's question (its name's hash and the resume check): fields added since
@@ -109,6 +118,11 @@ class Workload(StrictModel):
         if self.documents is None:
             return None
         return documents_from_lengths(lengths_from_spec(self.documents, self.seq_len))
+
+    @property
+    def video_grid(self) -> tuple[int, int, int] | None:
+        """The video's (T, H, W), or None."""
+        return None if self.video is None else tuple(int(x) for x in self.video.split(","))
 
     @property
     def window_pair(self) -> tuple[int, int] | None:
@@ -142,5 +156,6 @@ class Workload(StrictModel):
         if self.model:
             changed = ",".join(f"{k}={v}" for k, v in (self.model_overrides or {}).items())
             base += f" model={self.model}" + (f" ({changed})" if changed else "")
+            base += f" video={self.video}" if self.video else ""
             base += " loss=whole" if self.loss == "whole" else ""
         return base + (f" step={self.step}" if self.step else "")

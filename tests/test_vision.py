@@ -147,3 +147,28 @@ def _refusal_case(mistake):
 def test_a_vision_call_that_cannot_run_is_refused_by_name(ranks, mistake, named):
     for message in ranks(2).run(_refusal_case, mistake):
         assert named in message, message
+
+
+@pytest.mark.skipif(FLOOR, reason="vision-language models under CP need transformers 5 (refused by name on 4.x)")
+def test_a_searched_video_recipe_trains_with_the_one_process_losses(tmp_path):
+    """``cptune search --model <Qwen2.5-VL> --video T,H,W`` measures the model's step on a synthetic video a row and
+    writes a recipe that carries it; ``cptune launch`` trains it (here at dp1·cp2, FSDP2 over cp, the tower's units
+    split over the ranks) with the losses ``train_hf`` gets in one process on the same rows."""
+    import json
+    import sys
+
+    from tests._helpers import run_ok
+
+    MV.tiny_config("qwen2_5_vl").save_pretrained(tmp_path / "model")
+    video = ["--video", "4,4,4", "--seq-len", "64", "--batch", "2"]
+    run_ok([sys.executable, "-m", "cptune", "search", "--model", "model", *video, "--nproc", "2", "--min-seconds", "0",
+            "--memory-budget", "2GiB", "--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", "r.yaml"], tmp_path)
+    recipe = cptune.load_recipe(tmp_path / "r.yaml")
+    assert recipe.workload.video == "4,4,4" and recipe.workload.model == "model", recipe.workload
+    run_ok([sys.executable, "-m", "cptune.examples.train_hf", "--model", "model", *video, "--steps", "3",
+            "--losses-out", "one.json"], tmp_path)
+    run_ok([sys.executable, "-m", "cptune", "launch", "r.yaml", "config.mesh_shape=[1,2]", "--", "--batch", "2",
+            "--steps", "3", "--losses-out", "cp.json"], tmp_path)
+    one, cp = (json.loads((tmp_path / f"{x}.json").read_text()) for x in ("one", "cp"))
+    assert (cp["dp"], cp["cp"]) == (1, 2) and len(cp["losses"]) == 3, cp
+    assert max(abs(a - b) for a, b in zip(one["losses"], cp["losses"])) <= 1e-5, (one, cp)

@@ -68,6 +68,9 @@ def _leave(code: int) -> None:
               help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
 @click.option("--window", type=Whole(0), default=None, metavar="N",
               help="Causal sliding window: each token attends to N earlier tokens (4095 for sliding_window=4096).")
+@click.option("--video", type=str, default=None, metavar="T,H,W",
+              help="With a vision-language --model: one video a sequence, its grid in patches (temporal patches, "
+                   "height, width: a video_grid_thw row), synthetic frames among text.")
 @click.option("--loss", type=OneOf(list(LOSS_MODES)), default=LOSS_MODES[0], show_default=True,
               help="With --model: the loss in chunks, never the whole logits (vocabulary-parallel under tp), or the "
                    "model's own loss from the whole logits.")
@@ -100,7 +103,7 @@ def _leave(code: int) -> None:
               help="Training script the recipe launches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, layers, compile_, ac, step, model,
-                   model_overrides, documents, window, loss, nproc, device, memory_budget, memory_margin, storage,
+                   model_overrides, documents, window, video, loss, nproc, device, memory_budget, memory_margin, storage,
                    study_name, n_trials, timeout, trial_timeout, sampler, exhaustive, max_tp, min_seconds, out,
                    script, as_json) -> None:
     """Measure context-parallel configurations on real ranks and pick the fastest that fits in memory.
@@ -116,7 +119,7 @@ def search_command(seq_lens, batch, heads, kv_heads, head_dim, dtype, causal, la
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     lengths = seq_lens  # a list: click reads the default through LENGTHS too
     fields = dict(seq_len=lengths[0], batch=batch, dtype=dtype, causal=causal, compile=compile_, ac=ac, step=step,
-                  documents=documents, window=window, loss=loss)
+                  documents=documents, window=window, loss=loss, video=video)
     ctx = click.get_current_context()
     given = [f"--{name.replace('_', '-')}" for name in ("heads", "kv_heads", "head_dim", "layers")
              if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]

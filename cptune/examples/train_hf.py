@@ -182,6 +182,9 @@ def resume(folder: Path, model, optimizer, scheduler) -> int:
               help=".jsonl or .npy of token ids (default: synthetic).")
 @click.option("--eos-id", type=options.Whole(0), default=None, help="Token ending a document in a 1-D .npy.")
 @options.documents
+@click.option("--video", default=None, metavar="T,H,W",
+              help="A vision-language model: one synthetic video a row, its grid in patches (temporal patches, height, "
+                   "width) [default: the recipe's].")
 @options.seq_len
 @options.batch
 @options.steps(5)
@@ -215,7 +218,7 @@ def main(**given) -> None:
     cptune.close_rank()  # after training: its model and meshes dropped, the groups are freed now, not at teardown
 
 
-def checked(recipe_path, model, model_overrides, weights, data, eos_id, documents, seq_len, batch, ac, compile_,
+def checked(recipe_path, model, model_overrides, weights, data, eos_id, documents, video, seq_len, batch, ac, compile_,
             loss, checkpoint_dir, resume, save_every, export, **rest) -> SimpleNamespace:
     """Every option read and checked together, before any rank starts or a model is built."""
     recipe = options.read_recipe(recipe_path)
@@ -235,8 +238,11 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
                                        "model as FSDP2 shards it", "drop --no-fsdp, or use a (dp, cp) recipe")])
     seq_len, ac = seq_len or w.seq_len, ac or w.ac
     compile_ = w.compile if compile_ is None else compile_
-    spec = documents or w.documents
-    cptune.Workload(seq_len=seq_len, documents=spec)  # a documents spec that does not fit the length: named
+    spec, video = documents or w.documents, video or w.video
+    # a documents spec that does not fit the length, a video without a model or with documents: named
+    video = cptune.Workload(seq_len=seq_len, documents=spec, model=str(path), video=video).video_grid
+    raise_if([Problem("data", "is given with --video", "train a video model on its synthetic rows (no --data)")]
+             if video and data else [])
     raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_))
     options.check_checkpointing(checkpoint_dir, resume, save_every)
     if eos_id is not None and not (data or "").endswith(".npy"):
@@ -248,13 +254,28 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     return SimpleNamespace(
         **rest, recipe=recipe, config=config, dims=dims, dp=dims.dp, cp=dims.cp, batch=batch, path=path,
         hf_config=hf_config,
-        weights=weights, seq_len=seq_len, ac=ac, compile=compile_, loss=loss or w.loss, spec=spec, vocab=vocab, data=data,
+        weights=weights, seq_len=seq_len, video=video, ac=ac, compile=compile_, loss=loss or w.loss, spec=spec, vocab=vocab, data=data,
         documents=read_documents(data, eos_id, vocab) if data else None, resume=resume, save_every=save_every,
         checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
         export=models.check_export(export, "export") if export else None)
 
 
 preflight = script_check(main, checked)  # cptune launch runs these checks once, before torchrun starts any rank
+
+
+def step_rows(args: SimpleNamespace, model, tokens, doc_ids, step: int, rows: slice):
+    """This replica's rows of a step's global batch: (ids, shifted labels, positions, document ids or None, the
+    model's video arguments); a video model's rows made for the step (seeded by it, the same at any world size)."""
+    batch = args.batch
+    if args.video:
+        ids, labels, positions, video = cptune.hf.video_batch(model, args.seq_len, batch, args.video, seed=step)
+        per = video["pixel_values_videos"].shape[0] // batch
+        video = {"pixel_values_videos": video["pixel_values_videos"][rows.start * per:rows.stop * per],
+                 "video_grid_thw": video["video_grid_thw"][rows]}
+        return ids[rows], labels[rows], positions[:, rows], None, video
+    ids, docs = tokens[step * batch:(step + 1) * batch][rows], doc_ids[step * batch:(step + 1) * batch][rows]
+    labels, positions = cptune.packed_labels_and_positions(ids, docs)
+    return ids, labels, positions, docs, {}
 
 
 def train(args: SimpleNamespace) -> None:
@@ -275,11 +296,13 @@ def train(args: SimpleNamespace) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
 
     documents = args.documents
-    if documents is None:
+    if args.video:  # one video a row: the step's rows made at each step (below)
+        documents = []
+    elif documents is None:
         packed = cptune.Workload(seq_len=seq_len, documents=args.spec).document_ids()  # (1, S), or None: unpacked
         sizes = torch.unique_consecutive(packed[0], return_counts=True)[1].tolist() if args.spec else [seq_len]
         documents = synthetic_documents(len(sizes) * batch * args.steps, sizes, args.vocab)
-    tokens, doc_ids = pack(documents, seq_len, batch * args.steps)
+    tokens, doc_ids = pack(documents, seq_len, batch * args.steps) if documents else (None, None)
     rows = cptune.replica_rows(batch, config=config)
     folder = args.checkpoint_dir
     start = resume(folder, model, optimizer, scheduler) if folder and args.resume else 0
@@ -289,13 +312,13 @@ def train(args: SimpleNamespace) -> None:
     losses = []
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        ids, docs = tokens[step * batch:(step + 1) * batch][rows], doc_ids[step * batch:(step + 1) * batch][rows]
-        labels, positions = cptune.packed_labels_and_positions(ids, docs)
-        ids, labels, positions, docs = (t.to(device) for t in (ids, labels, positions, docs))
-        packed = world > 1 and bool((docs[:, -1] != docs[:, 0]).any())  # else: one document per row, plain causal
-        with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, 1], config=config,
-                                     documents=docs if packed else None):
-            loss = causal_lm_loss(model, ids, labels, position_ids=positions, whole=args.loss == "whole")
+        ids, labels, positions, docs, video = step_rows(args, model, tokens, doc_ids, step, rows)
+        ids, labels, positions, docs = (t.to(device) if t is not None else None for t in (ids, labels, positions, docs))
+        video = {k: v.to(device) for k, v in video.items()}
+        packed = world > 1 and docs is not None and bool((docs[:, -1] != docs[:, 0]).any())  # else: plain causal
+        with cptune.context_parallel(buffers=[ids, labels, positions], seq_dims=[1, 1, positions.ndim - 1],
+                                     config=config, documents=docs if packed else None):
+            loss = causal_lm_loss(model, ids, labels, position_ids=positions, whole=args.loss == "whole", **video)
             loss.backward()  # inside the block: checkpointed layers recompute with CP attention
         loss = loss.detach()
         if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean

@@ -48,7 +48,7 @@ from typing import Any
 from ._check import CHECK_MODES, PROVEN_FILE, check, proven, proven_families
 from ._enable import ATTN_IMPLEMENTATION, attention_forward, enable
 from ._lm_loss import causal_lm_loss
-from ._vision import position_ids
+from ._vision import position_ids, video_batch
 
 
 def __getattr__(name: str) -> Any:
@@ -61,4 +61,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["ATTN_IMPLEMENTATION", "CHECK_MODES", "PROVEN_FILE", "Trainer", "attention_forward",  # noqa: F822
            "causal_lm_loss", "check", "enable", "position_ids", "proven", "proven_families",
-           "takes_sharded_models"]  # (__getattr__'s)
+           "takes_sharded_models", "video_batch"]  # (__getattr__'s)

@@ -261,3 +261,55 @@ class _Rows:
             return None, None
         seconds = self.seconds[start:self.next] if self.seconds is not None else None
         return self.grid[start:self.next], seconds
+
+
+def video_batch(model: nn.Module, seq_len: int, batch: int, grid: tuple[int, int, int], seed: int = 0) \
+        -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Synthetic rows for a vision-language model, as its processor lays out one video among text: (ids, the labels
+    shifted with the video's placeholders and marks at -100, the M-RoPE positions (3, B, S), the model's video
+    arguments: ``pixel_values_videos`` of seeded noise and ``video_grid_thw``, whole). ``grid``: the video's (T, H, W)
+    in patches. A family that numbers a video frame by frame (Qwen3-VL, whose ``get_rope_index`` splits a video's grid
+    into its temporal patches) gets one group of placeholders a temporal patch, a text token (its timestamp) between."""
+    import inspect
+
+    found = inner(model)
+    raise_if([] if found is not None and splits_tower(model) else [Problem(
+        "video", f"is given for {type(model).__name__}, which is not a vision-language model cptune splits",
+        "give --video with a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE model")])
+    config, vision = model.config, model.config.vision_config
+    merge, (t, h, w) = found.visual.spatial_merge_size, grid
+    per_frame = "repeat_interleave(video_grid_thw" in inspect.getsource(type(found).get_rope_index)
+    frame_tokens = h * w // (merge * merge)
+    video = t * (frame_tokens + 3) - 1 if per_frame else t * frame_tokens + 2
+    raise_if([] if h % merge == 0 and w % merge == 0 and video + 2 <= seq_len else [Problem(
+        "video", f"is {t},{h},{w}: {video} tokens with its marks, in a sequence of {seq_len}" if video + 2 > seq_len
+        else f"is {t},{h},{w}: height and width must be multiples of the spatial merge ({merge})",
+        "give a video that fits the sequence with text around it (fewer or smaller frames), or a longer --seq-len")])
+    gen = torch.Generator().manual_seed(seed)
+    specials = [config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
+    vocab = min([config.get_text_config().vocab_size, *specials])
+    text = lambda n: torch.randint(0, vocab, (n,), generator=gen)  # noqa: E731
+    start, end = torch.tensor([config.vision_start_token_id]), torch.tensor([config.vision_end_token_id])
+    rows = []
+    for _ in range(batch):
+        frames = [start, torch.full((t * frame_tokens,), config.video_token_id), end] if not per_frame else \
+            [x for i in range(t) for x in ([text(1)] if i else []) + [start, torch.full((frame_tokens,),
+                                                                                        config.video_token_id), end]]
+        head = text((seq_len - video) // 4)
+        rows.append(torch.cat([head, *frames, text(seq_len - video - len(head))]))
+    ids = torch.stack(rows)
+    masks = found.get_placeholder_mask(ids, inputs_embeds=torch.zeros(*ids.shape, 1))
+    raise_if([] if int(masks[1].sum()) == batch * t * frame_tokens else [Problem(
+        "video", f"{type(model).__name__} marks a video's frames with other placeholders than its "
+        "video_token_id, which cptune's synthetic rows write", "measure this family with images of your own step "
+        "(--workload), or a Qwen-VL family")])
+    labels = ids.clone()
+    labels[torch.isin(ids, torch.tensor(specials))] = -100
+    grids = torch.tensor([grid] * batch)
+    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
+    width = channels * vision.temporal_patch_size * vision.patch_size ** 2
+    pixels = torch.randn(batch * t * h * w, width, generator=gen)
+    from ..losses import shift_labels
+
+    return ids, shift_labels(labels), position_ids(model, ids, video_grid_thw=grids), \
+        {"pixel_values_videos": pixels, "video_grid_thw": grids}

@@ -93,6 +93,9 @@ def _from_config(transformers, config) -> nn.Module:
     for the family (GPT-OSS's sinks, Gemma 2's softcapping); inside a block cptune's attention runs either way, and
     refuses by name what it cannot run (softcapping)."""
     build = transformers.AutoModelForCausalLM.from_config
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and \
+            type(config) in transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:  # a vision-language model
+        build = transformers.AutoModelForImageTextToText.from_config
     try:
         return build(config, attn_implementation="sdpa", dtype=torch.float32)
     except ValueError as exc:  # e.g. 'GptOssForCausalLM does not support an attention implementation through SDPA'

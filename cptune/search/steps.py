@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .. import models
 from ..config import CPConfig
-from ..hf import causal_lm_loss, check, enable, proven
+from ..hf import causal_lm_loss, check, enable, proven, video_batch
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ..losses import packed_labels_and_positions
 from ..mesh import model_mesh, world_mesh
@@ -109,18 +109,23 @@ def build_model_step(workload: Workload, device: torch.device, dims: ParallelDim
                                dtype=workload.torch_dtype)
     enable(model, check="never")  # the search checked it once, up front (:func:`check_model`): none in a trial
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, config.get_text_config().vocab_size, (workload.batch, workload.seq_len),
-                              generator=gen)
-    labels, positions = packed_labels_and_positions(input_ids, workload.document_ids())
+    video: dict[str, torch.Tensor] = {}
+    if workload.video_grid is not None:  # a vision-language model: one video a row, its pixels whole on every rank
+        input_ids, labels, positions, video = video_batch(model, workload.seq_len, workload.batch, workload.video_grid)
+        video = {k: v.to(device) for k, v in video.items()}
+    else:
+        gen = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, config.get_text_config().vocab_size, (workload.batch, workload.seq_len),
+                                  generator=gen)
+        labels, positions = packed_labels_and_positions(input_ids, workload.document_ids())
 
     def step(input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> None:
         causal_lm_loss(model, input_ids, labels, position_ids=position_ids,  # as train_hf trains it
-                       whole=workload.loss == "whole").backward()
+                       whole=workload.loss == "whole", **video).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step, [t.to(device) for t in (input_ids, labels, positions)], [1, 1, 1]
+    return step, [t.to(device) for t in (input_ids, labels, positions)], [1, 1, positions.ndim - 1]
 
 
 def check_model(workload: Workload, device: torch.device):
