@@ -92,7 +92,7 @@ def rank_job(mode: str, frames: int) -> None:
     import cptune
     import cptune.hf
     from cptune import vision as V
-    from cptune._session import active
+    from cptune.attention import Layout
 
     from .loss import _measure
 
@@ -108,12 +108,13 @@ def rank_job(mode: str, frames: int) -> None:
     labels = ids.clone()
     labels[ids >= 2000] = -100
     labels = cptune.shift_labels(labels)
-    if mode == "peers":
+    if mode == "peers":  # the rows this rank's placeholders need, in its load-balanced (head-tail) order
+        layout = Layout(world, world, True)
+        held = [layout.indices(ids.shape[1], r) for r in range(world)]
+
         def plan_for(g):
             units = V.units(g.cpu(), 2, 128)
-            session = active()
-            return V.routing(found._cptune_call[1]["video"], session.held(), units,
-                             V.deal(units, session.cp)).needed[session.cp_rank]
+            return V.routing(ids == 2001, held, units, V.deal(units, world)).needed[rank]
         _peers(found, plan_for)
     tower_seconds = []
     forward = found.visual.forward

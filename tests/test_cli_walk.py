@@ -119,6 +119,7 @@ def bad_values(param: click.Parameter, inputs: dict[str, str]) -> list[str]:
         return [inputs["dir"]] if not t.dir_okay else [inputs["empty"]] if not t.file_okay else []
     cases = {T.Size: ["abc", "0", "-1GiB", "10", "", "1.5XB"], T.Lengths: ["0", "abc", "", "8192,", "-1", "1.5"],
              T.Dims: ["32,4096,0,8,14336,128256", "1,2,3", "a,b,c,d,e,f", "", "32,4096,32,8,14336,-1"],
+                 T.Video: ["8,16", "8,16,16,1", "0,16,16", "8,-16,16", "a,b,c", "", "8,16,1.5"],
              T.KeyValue: ["x", "=3", ""], T.Reference: ["nomodule", ":f", "", "no_such_module_xyz:fn", "os:no_such_fn"],
              T.Documents: ["abc", "0", "-1", "", "3,x"], T.Storage: ["bogus", "", "nosuchdialect://x/y"],
              T.Endpoint: ["host", "host:0", "host:99999", "", ":29500"], T.Name: ["", "   "],

@@ -3,6 +3,8 @@ exact against one process or refused by name, the docs' table what the run print
 each row traded to the rank that fills it under every layout, training under activation checkpointing, and the calls
 that cannot run refused by name before any collective."""
 
+import json
+
 import pytest
 import torch
 
@@ -172,3 +174,44 @@ def test_a_searched_video_recipe_trains_with_the_one_process_losses(tmp_path):
     one, cp = (json.loads((tmp_path / f"{x}.json").read_text()) for x in ("one", "cp"))
     assert (cp["dp"], cp["cp"]) == (1, 2) and len(cp["losses"]) == 3, cp
     assert max(abs(a - b) for a, b in zip(one["losses"], cp["losses"])) <= 1e-5, (one, cp)
+    import subprocess  # compile is refused by name before torchrun starts a rank (the tower does not trace yet)
+    refused = subprocess.run([sys.executable, "-m", "cptune", "launch", "r.yaml", "--", "--compile"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "compile (--compile): compiles each decoder layer" in refused.stdout + \
+        refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+
+
+def test_the_plan_prices_the_tower_and_its_frames(tmp_path):
+    """``cptune plan --model <Qwen2.5-VL-7B-shaped> --video T,H,W``: the tower's parameters in the model's (within
+    5 % of what transformers builds, for every split family's tiny config), and a 1,400-frame video at 256K tokens
+    answered on 8 and 64 H100s, the tower's activations one of the memory parts; without a video the plan is the
+    text step's, the tower's parameters still held."""
+    import cptune.plan as P
+    from click.testing import CliRunner
+
+    from cptune.cli import main
+    from cptune.plan._tower import tower_from_fields
+
+    for family in SPLIT:
+        built = sum(p.numel() for p in MV.build(family).model.visual.parameters())
+        assert abs(tower_from_fields(MV.tiny_config(family).to_dict()).params / built - 1) < 0.05, family
+    model = str(M.ROOT / "examples/models/qwen2.5-vl-7b-shaped")
+    dims = P.dims_from_config(model)
+    assert dims.tower.depth == 32 and 0.6e9 < dims.tower.params < 0.7e9 and "a vision tower of 0.68B" in dims.describe()
+    frames = "700,36,40"  # 1,400 frames (2 a temporal patch), 36 x 40 patches each: 252,000 video tokens
+    for gpus in (8, 64):
+        out = CliRunner().invoke(main, ["plan", "--model", model, "--seq-len", "262144", "--gpus", str(gpus),
+                                        "--hardware", "h100", "--video", frames, "--json"])
+        assert out.exit_code == 0, out.output
+        best = json.loads(out.output)["best"]
+        assert best is not None and best["memory"]["vision_tower"] > 2**30, best["memory"]
+        assert best["peak_bytes"] <= 72 * 2**30 and best["point"]["config"]["mesh_shape"][1] >= 8, best["point"]
+    text = P.predict(dims, P.plan_workload(dims, 262144, model=model), P.Point(cptune.CPConfig(mesh_shape=(1, 8)),
+                                                                               "full"), P.load_hardware("h100"), 8)
+    video = P.predict(dims, P.plan_workload(dims, 262144, model=model, video=frames),
+                      P.Point(cptune.CPConfig(mesh_shape=(1, 8)), "full"), P.load_hardware("h100"), 8)
+    assert "vision_tower" not in text.memory and video.memory["vision_tower"] > 0 and video.step_s > text.step_s
+    assert video.time["comm_vision"] > 0
+    refused = CliRunner().invoke(main, ["plan", "--model", str(M.ROOT / "examples/models/llama-3.1-8b"), "--seq-len",
+                                        "8192", "--gpus", "8", "--video", "4,16,16"])
+    assert refused.exit_code != 0 and "--video: is given, and llama-3.1-8b has no vision tower" in refused.output

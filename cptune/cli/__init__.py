@@ -7,8 +7,8 @@ from it: the click types every option takes, each calling the library's rule (:m
 
 from ._commands import main
 from ._preflight import script_check
-from ._types import COUNT, DOCUMENTS, FINITE_RATE, FOLDER, KEY_VALUE, RECIPE, InputFile, OneOf, OutputFile, \
+from ._types import COUNT, DOCUMENTS, FINITE_RATE, FOLDER, KEY_VALUE, RECIPE, VIDEO, InputFile, OneOf, OutputFile, \
     Script, Whole
 
 __all__ = ["COUNT", "DOCUMENTS", "FINITE_RATE", "FOLDER", "InputFile", "KEY_VALUE", "OneOf", "OutputFile", "RECIPE",
-           "Script", "Whole", "main", "script_check"]
+           "Script", "VIDEO", "Whole", "main", "script_check"]

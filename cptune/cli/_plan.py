@@ -6,10 +6,9 @@ import json
 
 import click
 
-from ._types import COUNT, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE, InputFile, OneOf, OutputFile, Whole
+from ._types import COUNT, DIMS, DOCUMENTS, HARDWARE, KEY_VALUE, SIZE, VIDEO, InputFile, OneOf, OutputFile, Whole
 from ..workload import BUDGET_FRACTION
-from ..sizes import format_rate
-from ..errors import Problem, ValidationError
+from ..errors import Problem, ValidationError, raise_if
 from ..workload import AC_MODES
 
 
@@ -34,6 +33,9 @@ from ..workload import AC_MODES
 @click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC",
               help="Packed documents: 16, 'longtail', or lengths.")
 @click.option("--window", type=Whole(0), default=None, metavar="N", help="Causal sliding window of N earlier tokens.")
+@click.option("--video", type=VIDEO, default=None, metavar="T,H,W",
+              help="A vision-language --model's video a sequence: its grid in patches (temporal patches, height, "
+                   "width).")
 @click.option("--ac", type=OneOf(["auto", *AC_MODES]), default="auto", show_default=True,
               help="Activation checkpointing: auto ranks all three.")
 @click.option("--max-tp", type=COUNT, default=None,
@@ -44,7 +46,7 @@ from ..workload import AC_MODES
               help="Write the best configuration's recipe here, marked predicted (not measured).")
 def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_node, hardware, gpu_benchmark,
                  memory_budget,
-                 dtype, documents, window, ac, max_tp, show_all, as_json, out) -> None:
+                 dtype, documents, window, video, ac, max_tp, show_all, as_json, out) -> None:
     """Predict every CP configuration of a cluster not at hand and rank them (no GPU needed).
 
     \b
@@ -65,8 +67,11 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
         shape = P.dims_from_config(model, parse_overrides(model_overrides))
     else:
         shape = P.dims_from_values(*dims)
+    raise_if([Problem("--video", f"is given, and {shape.name or 'the model'} has no vision tower in its config",
+                      "give a vision-language model's config (its vision_config), or leave --video out")]
+             if video and shape.tower is None else [])
     workload = P.plan_workload(shape, seq_len, batch, dtype, documents=documents, window=window, model=model,
-                               overrides=parse_overrides(model_overrides))
+                               overrides=parse_overrides(model_overrides), video=video)
     profile = P.load_hardware(hardware)
     if gpu_benchmark:
         profile = P.from_gpu_benchmark(profile, gpu_benchmark, argument="gpu_benchmark")
@@ -83,9 +88,8 @@ def plan_command(model, model_overrides, dims, seq_len, batch, gpus, gpus_per_no
         if result.invalid:
             click.echo(f"not possible: {len(result.invalid)} configuration(s), e.g. {result.invalid[0][0]}: "
                        f"{result.invalid[0][1]}")
-        best = result.best
-        click.echo(f"\nbest (predicted): {best.point.label()}  {format_rate(best.tokens_per_s_per_gpu)} tokens/s per GPU"
-                   if best else f"\nnothing is predicted to fit. {result.shortfall(P.with_more_gpus(result, max_tp=max_tp))}")
+        click.echo(f"\n{result.best_line()}" if result.best else
+                   f"\nnothing is predicted to fit. {result.shortfall(P.with_more_gpus(result, max_tp=max_tp))}")
     if out:
         click.echo(f"predicted recipe: {path} (not measured: measure it with cptune search on the cluster)", err=True)
 

@@ -11,7 +11,7 @@ import sys
 import click
 
 from ._console import progress, report_search
-from ._types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, REFERENCE, SECONDS, SIZE, STORAGE, CheckedPath,
+from ._types import (COUNT, DOCUMENTS, KEY_VALUE, LENGTHS, NAME, VIDEO, REFERENCE, SECONDS, SIZE, STORAGE, CheckedPath,
                          InputFile, Number, OneOf, OutputFile, Whole, in_flags)
 from ..workload import BUDGET_FRACTION, MEMORY_MARGIN, TRIAL_TIMEOUT_S
 from ..errors import CPTuneError
@@ -68,7 +68,7 @@ def _leave(code: int) -> None:
               help="Packed documents per sequence: a count of equal ones (16), 'longtail', or lengths (1024,512,...).")
 @click.option("--window", type=Whole(0), default=None, metavar="N",
               help="Causal sliding window: each token attends to N earlier tokens (4095 for sliding_window=4096).")
-@click.option("--video", type=str, default=None, metavar="T,H,W",
+@click.option("--video", type=VIDEO, default=None, metavar="T,H,W",
               help="With a vision-language --model: one video a sequence, its grid in patches (temporal patches, "
                    "height, width: a video_grid_thw row), synthetic frames among text.")
 @click.option("--loss", type=OneOf(list(LOSS_MODES)), default=LOSS_MODES[0], show_default=True,

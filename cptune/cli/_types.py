@@ -110,6 +110,16 @@ class Dims(_Integers):
         return tuple(super().read(value))
 
 
+class Video(_Integers):
+    """Three positive integers: a video's grid in patches (temporal patches, height, width), kept as ``'T,H,W'``."""
+
+    name, argument, what, count = "video", "video", "three positive integers T,H,W", 3
+    fix = "give the video's grid in patches as T,H,W (a video_grid_thw row), e.g. 8,16,16"
+
+    def read(self, value: str) -> str:
+        return ",".join(map(str, super().read(value)))
+
+
 class KeyValue(_Read):
     """KEY=VALUE (a config field and its value); the value is read by the library."""
 
@@ -218,7 +228,7 @@ class OutputFile(CheckedPath):
 
 
 RECIPE = InputFile(fix="check the path; cptune ls lists the shipped and local recipes")
-SIZE, LENGTHS, DIMS, KEY_VALUE, REFERENCE = Size(), Lengths(), Dims(), KeyValue(), Reference()
+SIZE, LENGTHS, DIMS, VIDEO, KEY_VALUE, REFERENCE = Size(), Lengths(), Dims(), Video(), KeyValue(), Reference()
 DOCUMENTS, STORAGE, ENDPOINT, NAME, HARDWARE = Documents(), Storage(), Endpoint(), Name(), HardwareProfile()
 FOLDER = CheckedPath("give a folder, not a file", file_okay=False)
 """A folder (it need not exist yet where the command makes it)."""

@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from cptune.cli import (COUNT, DOCUMENTS, FINITE_RATE, FOLDER, KEY_VALUE, RECIPE, InputFile, OneOf, OutputFile,
-                          Script, Whole)
+from cptune.cli import (COUNT, DOCUMENTS, FINITE_RATE, FOLDER, KEY_VALUE, RECIPE, VIDEO, InputFile, OneOf,
+                        OutputFile, Script, Whole)
 from cptune.errors import Problem, ValidationError, raise_if
 from cptune.mesh import ParallelDims
 from cptune.workload import AC_MODES
@@ -32,6 +32,9 @@ ac = click.option("--ac", type=OneOf(list(AC_MODES)), default=None,
                   help="Activation checkpointing (default: as the recipe was measured, else none).")
 documents = click.option("--documents", type=DOCUMENTS, default=None, metavar="SPEC",
                          help="Documents per sequence: 8 (equal), longtail, or lengths (default: the recipe's).")
+video = click.option("--video", type=VIDEO, default=None, metavar="T,H,W",
+                     help="A vision-language model: one synthetic video a row, its grid in patches (temporal patches, "
+                          "height, width) [default: the recipe's].")
 model = click.option("--model", type=InputFile(dir_okay=True, fix="give a local model directory (with config.json) "
                                                "or its config.json"), default=None,
                      help="Model directory or config.json (default: the recipe's).")

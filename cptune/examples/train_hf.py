@@ -182,9 +182,7 @@ def resume(folder: Path, model, optimizer, scheduler) -> int:
               help=".jsonl or .npy of token ids (default: synthetic).")
 @click.option("--eos-id", type=options.Whole(0), default=None, help="Token ending a document in a 1-D .npy.")
 @options.documents
-@click.option("--video", default=None, metavar="T,H,W",
-              help="A vision-language model: one synthetic video a row, its grid in patches (temporal patches, height, "
-                   "width) [default: the recipe's].")
+@options.video
 @options.seq_len
 @options.batch
 @options.steps(5)
@@ -243,7 +241,7 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     video = cptune.Workload(seq_len=seq_len, documents=spec, model=str(path), video=video).video_grid
     raise_if([Problem("data", "is given with --video", "train a video model on its synthetic rows (no --data)")]
              if video and data else [])
-    raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_))
+    raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_, hf_config))
     options.check_checkpointing(checkpoint_dir, resume, save_every)
     if eos_id is not None and not (data or "").endswith(".npy"):
         raise ValidationError([Problem("eos_id", "is read only from a 1-D .npy --data", "drop --eos-id, or give "

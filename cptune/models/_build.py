@@ -148,7 +148,7 @@ def _prepare(model: nn.Module, ac: str, compile: bool) -> None:
     """cptune.hf.enable, train mode, no KV cache, activation checkpointing, compile per decoder layer."""
     if ac not in AC_MODES:
         raise ValidationError([Problem("ac", f"{ac!r} is not one of {', '.join(AC_MODES)}", "use one of them")])
-    raise_if(training_problems(ac, compile))
+    raise_if(training_problems(ac, compile, model.config))
     enable(model)
     model.train()
     model.config.use_cache = False

@@ -6,6 +6,7 @@ each a list of problems, named."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch.nn as nn
 
@@ -104,9 +105,14 @@ def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape
         [p for p in heads if p.argument == "config.ulysses_degree"]
 
 
-def training_problems(ac: str, compile: bool) -> list[Problem]:
+def training_problems(ac: str, compile: bool, config: Any = None) -> list[Problem]:
     """What this transformers cannot train right under CP: compile with activation checkpointing before the
-    releases that have ``activation_checkpointing_enable`` (found by that name, not by version)."""
+    releases that have ``activation_checkpointing_enable`` (found by that name, not by version); compile of a
+    vision-language ``config``'s model (its tower's blocks do not trace under cptune's block)."""
+    if compile and getattr(config, "vision_config", None) is not None:
+        return [Problem("compile (--compile)", f"compiles each decoder layer, and {type(config).__name__}'s vision "
+                        "tower blocks do not compile under cptune's block yet (dynamo fails tracing their per-image "
+                        "attention)", "train this model without --compile")]
     if not compile or ac == "none":
         return []
     transformers = _transformers("--model")

@@ -13,6 +13,7 @@ from .._files import read_json_object
 from ..config import StrictModel
 from ..errors import Problem, ProblemError, ValidationError
 from ..workload import Workload
+from ._tower import TowerDims, tower_from_fields
 from ._experts import ExpertDims, LatentDims, attention_params, dense_width, experts_from_fields, \
     latent_from_fields
 
@@ -111,6 +112,8 @@ class ModelDims(StrictModel):
     """A mixture of experts' layers (None: a dense MLP in every layer)."""
     latent: LatentDims | None = None
     """Multi-head latent attention's ranks (None: q, k, v projections)."""
+    tower: TowerDims | None = None
+    """A vision-language model's vision tower (None: text only)."""
     name: str = ""
 
     @model_validator(mode="after")
@@ -192,7 +195,7 @@ class ModelDims(StrictModel):
         if self.attention_only:
             return 0
         embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.all_layer_params + embed + self.hidden
+        return self.all_layer_params + embed + self.hidden + (self.tower.params if self.tower else 0)
 
     @property
     def active_params(self) -> int:
@@ -212,7 +215,9 @@ class ModelDims(StrictModel):
             + f"experts {moe.experts} x {moe.width}" + (f", shared {moe.shared_width}" if moe.shared_width else ""))
         return (f"{self.name or 'model'}: {total}, {self.layers} layers, hidden {self.hidden}, {heads}"
                 + (f" {self.latent.describe()}" if self.latent else "") + f", {mlp}, vocab {self.vocab}"
-                + (f", {self.mixer.layers} of the layers {self.mixer.kind}" if self.mixer else ""))
+                + (f", {self.mixer.layers} of the layers {self.mixer.kind}" if self.mixer else "")
+                + (f"; a vision tower of {self.tower.params / 1e9:.2f}B ({self.tower.depth} blocks x "
+                   f"{self.tower.width})" if self.tower else ""))
 
 
 def dims_from_values(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
@@ -246,7 +251,8 @@ def _from_fields(data: Mapping[str, Any], name: str) -> ModelDims:
                      ffn=dense_width(text), vocab=text.get("vocab_size") or 0,
                      tied_embeddings=bool(text.get("tie_word_embeddings", False)),
                      attention_params=attention_params(text, model_type, heads, kv_heads, head_dim, v_head_dim, latent),
-                     mixer=mixer_from_fields(text), experts=experts, latent=latent, name=name)
+                     mixer=mixer_from_fields(text), experts=experts, latent=latent, tower=tower_from_fields(data),
+                     name=name)
 
 
 def dims_from_config(path: str | Path, overrides: Mapping[str, Any] | None = None,

@@ -71,14 +71,19 @@ class Plan:
         of its memory parts in GiB, largest first; ``more_gpus``: a plan of the same job on more GPUs, said if something
         fits there."""
         close = min(self.predictions, key=lambda p: p.peak_bytes)
-        parts = sorted(((v, k) for k, v in close.memory.items() if v), reverse=True)
         there = more_gpus.best if more_gpus is not None else None
         more = (f"On {more_gpus.gpus} GPUs {there.point.label()} is predicted to fit ({format_size(there.peak_bytes)}, "
                 f"{format_rate(there.tokens_per_s_per_gpu)} tokens/s per GPU). " if there is not None else "")
         return (f"The closest, {close.point.label()}, needs {format_size(close.peak_bytes)} per GPU against "
-                f"{format_size(self.budget)} ({', '.join(f'{k} {v / 2**30:.2f}GiB' for v, k in parts)}). {more}It "
+                f"{format_size(self.budget)} ({memory_parts(close)}). {more}It "
                 "would take more GPUs, a shorter --seq-len or a larger --memory-budget; or what cptune does not "
                 "plan: activation offloading, or pipeline parallelism (the layers split into stages)")
+
+    def best_line(self) -> str:
+        """The best configuration's line: its rate and each of its memory parts in GiB, largest first."""
+        best = self.best
+        return (f"best (predicted): {best.point.label()}  {format_rate(best.tokens_per_s_per_gpu)} tokens/s per GPU; "
+                f"peak {format_size(best.peak_bytes)}: {memory_parts(best)}")
 
     def header(self) -> str:
         nodes = max(1, self.gpus // self.gpus_per_node)
@@ -173,12 +178,12 @@ def with_more_gpus(result: Plan, factors: tuple[int, ...] = (2, 4), max_tp: int 
 
 def plan_workload(dims: ModelDims, seq_len: int, batch: int = 1, dtype: str = "bfloat16", causal: bool = True,
                   documents: str | None = None, window: int | None = None, model: str | None = None,
-                  overrides: dict | None = None, loss: str = "chunked") -> Workload:
+                  overrides: dict | None = None, loss: str = "chunked", video: str | None = None) -> Workload:
     """The workload a plan predicts: ``dims``' attention shape at ``seq_len`` (``batch`` sequences per replica),
-    ``loss`` taken as :class:`~cptune.Workload` says."""
+    ``loss`` and ``video`` taken as :class:`~cptune.Workload` says."""
     return Workload(seq_len=seq_len, batch=batch, heads=dims.heads, kv_heads=dims.kv_heads, head_dim=dims.head_dim,
                     layers=dims.layers, dtype=dtype, causal=causal, documents=documents, window=window, model=model,
-                    model_overrides=overrides or None, loss=loss)
+                    model_overrides=overrides or None, loss=loss, video=video)
 
 
 def predicted_recipe(result: Plan, command: str | None = None):
@@ -209,3 +214,9 @@ def predicted_recipe(result: Plan, command: str | None = None):
                                      f"{'; '.join(hw.calibrated_by) or 'nominal'})",
                         note=f"predicted best of {len(result.predictions)} configurations ({best.bottleneck}); "
                              "measure it with cptune search on the cluster"))
+
+
+def memory_parts(prediction: Prediction) -> str:
+    """A prediction's memory parts in GiB, largest first."""
+    parts = sorted(((v, k) for k, v in prediction.memory.items() if v), reverse=True)
+    return ", ".join(f"{k} {v / 2**30:.2f}GiB" for v, k in parts)

@@ -8,16 +8,16 @@ each strategy's bytes per layer over the link its group crosses (NVLink inside a
 across nodes): the ring's K/V blocks (forward, then K/V and float32 gradients backward; under
 cptune's masked ring only the blocks some query of the receiver attends, :func:`ring_blocks`), Ulysses'
 four all-to-alls each way, both for the hybrid, FSDP's all-gathers and reduce-scatter over dp x cp.
-Overlap is explicit: the ring's point-to-point rotation (and cptune's masked ring, either rotation)
-hides behind the block being computed, FSDP behind the layers' compute (all but the first
-gather); PyTorch's all-gather rotation and Ulysses' all-to-alls are exposed. What is not hidden is
-reported as exposed communication.
+Overlap is explicit: the ring's point-to-point rotation (and cptune's masked ring, either rotation) hides behind
+the block being computed, FSDP behind the layers' compute (all but the first gather); PyTorch's all-gather rotation
+and Ulysses' all-to-alls are exposed. What is not hidden is reported as exposed communication.
 
 Memory: parameters, gradients and AdamW states sharded by FSDP over dp x cp, the gathered layers,
 activations per AC mode, the loss's working set (cptune's chunked loss: one chunk's float32 logits over this tp
 rank's share of the vocabulary, and a float per token; ``loss: whole``: the whole logits), the attention's
 temporaries and communication buffers, and the process's baseline. A mixture of experts (:mod:`._experts`) holds
-every expert (and FSDP gathers an MoE layer whole) and computes what a token goes through: its top-k experts.
+every expert (and FSDP gathers an MoE layer whole) and computes what a token goes through: its top-k experts. A
+vision-language model's tower (:mod:`._tower`): its parameters, and with a video its frames' work and rows' trade.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..attention import Layout, documents_from_lengths, kv_replication, lengths_
     work_chunks
 from ..config import CPConfig, decide_load_balance
 from ..workload import Workload
-from . import _experts, _mixer_step
+from . import _experts, _mixer_step, _tower
 from ._dims import ModelDims
 from ._hardware import Hardware
 
@@ -42,12 +42,11 @@ BACKWARD = 2.5
 """Attention backward / forward FLOPs (flash: recompute QK^T, then dP, dV, dQ, dK)."""
 
 RING_STEP_BYTES = {"forward": (29.5, 21.4), "backward": (11.5, 65.6)}
-"""What the ring moves in memory per further ring step outside its kernels, in bytes per query element and per
-key element (V has as many): forward, the float32 merge of the block's output and log-sum-exp (under load balancing
-half the steps on half the queries) and K and V concatenated for the rotation; backward, the float32 dq, dk and dv
+"""What the ring moves in memory per further ring step outside its kernels, in bytes per query element and per key
+element (V has as many): forward, the float32 merge of the block's output and log-sum-exp (under load balancing half
+the steps on half the queries) and K and V concatenated for the rotation; backward, the float32 dq, dk and dv
 accumulated (half the steps a partial update, which clones) and dk, dv and K, V concatenated. Measured on CPU by
-``python -m benchmarks.ring_traffic`` (PyTorch's ring's own operations, float32, from memory: caches flushed,
-no fresh pages): 29.5 + 21.4 and 11.5 + 65.6."""
+``python -m benchmarks.ring_traffic`` (PyTorch's ring's own operations, float32, from memory): 29.5 + 21.4, 11.5 + 65.6."""
 
 
 @dataclass(frozen=True)
@@ -277,6 +276,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     merge = La * received * tokens * per_step / mem_rate
     recompute += head_recompute / gemm_rate
     compute = 3 * dense_t + attention_t + 3 * elem_t + recompute + overhead + merge
+    seen = _tower.terms(dims.tower, w.video_grid, b, cp, e, point.ac) if dims.tower and w.video_grid else None
+    compute += _tower.seconds(seen, gemm_rate, attn_rate, point.ac) if seen is not None else 0.0
 
     # -- communication (per layer, this rank) -----------------------------------------------
     comm: dict[str, float] = {}
@@ -298,6 +299,9 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         # when backward gathers the kept shards again)
         comm["tp"] = L * (2 + 2 + {"none": int(keep_shards), "selective": 1, "full": 2}[point.ac]) * one
         exposed += comm["tp"]
+    if seen is not None and cp > 1:  # the tower's rows to the ranks that hold their placeholders, and back
+        comm["vision"] = links.seconds(2 * seen.trade_bytes * (cp - 1) / cp, 2 * (cp - 1), cp * tp)
+        exposed += comm["vision"]
     if ulysses > 1:
         one = links.seconds(tokens * exchanged * (ulysses - 1) / ulysses, 4 * (ulysses - 1), ulysses * tp)
         comm["ulysses"] = La * (2 + (1 if point.ac == "full" else 0)) * one
@@ -368,7 +372,8 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
     memory = {"baseline": hw.baseline_bytes, "parameters": int(4 * p // shards), "gradients": int(4 * p // shards),
               "optimizer": int(8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
-              "activations": int(activations), "loss": int(loss), "attention_buffers": int(temps)}
+              "activations": int(activations), "loss": int(loss), "attention_buffers": int(temps),
+              **({"vision_tower": int(seen.kept_bytes + seen.largest_bytes)} if seen is not None else {})}
     tps = dp * b * s / step
     pred = Prediction(point=point, step_s=step, tokens_per_s=tps, tokens_per_s_per_gpu=tps / world, time=time,
                       memory=memory, peak_bytes=sum(memory.values()))

@@ -59,12 +59,13 @@ def _check_user_step(workload: Workload) -> None:
 def _check_model(workload: Workload) -> None:
     """The model's config loads, and the workload's attention shape (what the search space is built from) is
     the model's."""
-    shape = attention_shape(load_config(workload.model, workload.model_overrides))
+    config = load_config(workload.model, workload.model_overrides)
+    shape = attention_shape(config)
     differ = [f"{k}={getattr(workload, k)} (the model's: {v})" for k, v in shape.items()
               if getattr(workload, k) != v and not (k == "kv_heads" and workload.kv_heads is None and v == shape["heads"])]
     raise_if([Problem("workload", f"differs from --model {workload.model}: {', '.join(differ)}",
                       "build it with cptune.models.model_workload(path, overrides, seq_len=...)")] if differ else []
-             + training_problems(workload.ac, workload.compile))
+             + training_problems(workload.ac, workload.compile, config))
 
 
 def search(
