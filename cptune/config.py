@@ -128,6 +128,13 @@ class CPConfig(StrictModel):
     by cp, short convolutions by a halo exchange); 'whole': every such layer runs over the gathered sequence (the
     generic path: exact for any such layer, its memory the whole sequence's), as do layers without a split path."""
 
+    ep_degree: int = Field(1, ge=1, json_schema_extra={
+        "fix": "give ep_degree >= 1 that divides dp_shard x cp and every MoE layer's experts (1: no expert parallelism)"})
+    """Expert parallelism (a mixture of experts): each MoE layer's experts split over groups of ``ep_degree``
+    consecutive ranks, tokens traded for them by all-to-all (:mod:`cptune.experts`); folded over dp_shard x cp (it
+    multiplies nothing in ``mesh_shape``), every other parameter sharded as without it. 1: FSDP2 shards the experts
+    with the rest."""
+
     @pydantic.model_validator(mode="after")
     def _strategy_fields(self) -> CPConfig:
         problems = []
@@ -181,7 +188,7 @@ class CPConfig(StrictModel):
                 raise ValidationError([Problem("config.mesh_shape", f"is {self.mesh_shape!r}: the world size is "
                                                "needed to resolve it", "give every degree of mesh_shape")])
             world_size = math.prod(self.mesh_shape)
-        return ParallelDims.from_shape(self.mesh_shape, world_size)
+        return ParallelDims.from_shape(self.mesh_shape, world_size, ep=self.ep_degree)
 
     def dp_cp(self, world_size: int | None = None, *,
               where: str = "the attention proxy's memory model prices") -> tuple[int, int]:
@@ -233,7 +240,7 @@ class CPConfig(StrictModel):
         cp, head = shape[2], shape_label(shape)
         backend = "+".join(self.sdpa_backend) if self.sdpa_backend else "default"
         if cp == 1:  # no ring: rotate method and load balancing do not apply
-            return f"{head} {backend}"
+            return f"{head} {backend}" + (f" ep{self.ep_degree}" if self.ep_degree > 1 else "")
         lb = {True: "lb", False: "no-lb", "auto": "lb-auto"}[self.load_balance]
         if self.strategy == "ulysses":
             label = f"{head} ulysses {backend}"
@@ -242,7 +249,8 @@ class CPConfig(StrictModel):
             label = f"{head} hybrid u{self.ulysses_degree}×{ring} {self.rotate_method} {lb} {backend}"
         else:
             label = f"{head} {self.rotate_method} {lb} {backend}"
-        return label + (" mixers-whole" if self.mixers == "whole" else "")
+        return label + (" mixers-whole" if self.mixers == "whole" else "") + \
+            (f" ep{self.ep_degree}" if self.ep_degree > 1 else "")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ outermost (across nodes, where HSDP only reduces gradients):
 - ``cp``: context parallelism, each rank its slice of the sequence (the block shards buffers over it only).
 - ``tp``: tensor parallelism, each rank its share of every layer's heads and columns; the tp ranks of a
   replica hold the same tokens and the same rows.
+- ``ep``: expert parallelism, folded over ``dp_shard x cp`` as torchtitan and Megatron-Core fold it (not a dim of
+  its own: it multiplies nothing): each MoE layer's experts split over groups of ``ep`` consecutive ranks
+  (:mod:`cptune.experts`), every other parameter as above.
 
 A configuration written as ``(dp, cp)`` (every recipe before the named mesh) is ``(1, dp, cp, 1)``.
 """
@@ -41,25 +44,28 @@ and a user's; read as dp_shard)."""
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How many ranks each dim of the mesh has. Checked at construction: every degree a positive integer."""
+    """How many ranks each dim of the mesh has, and ``ep`` folded over dp_shard x cp. Checked at construction: every
+    degree a positive integer, and an ep the mesh can fold (:func:`ep_problems`)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         raise_if([Problem(f"mesh.{f.name}", f"is {getattr(self, f.name)!r}", "give a positive integer")
                   for f in fields(self) if type(getattr(self, f.name)) is not int or getattr(self, f.name) < 1])
+        raise_if(ep_problems(self.shape, self.ep))
 
     @classmethod
-    def from_shape(cls, shape: Sequence[int] | None, world: int, argument: str = "config.mesh_shape"
+    def from_shape(cls, shape: Sequence[int] | None, world: int, argument: str = "config.mesh_shape", ep: int = 1
                    ) -> ParallelDims:
         """The mesh of ``world`` ranks a configuration's ``mesh_shape`` asks for: None (every rank CP), ``(dp, cp)``
-        or ``(dp_replicate, dp_shard, cp, tp)``, one entry possibly -1 (inferred). Raises a ValidationError naming
-        ``argument`` when the degrees do not multiply to the world."""
+        or ``(dp_replicate, dp_shard, cp, tp)``, one entry possibly -1 (inferred), and ``ep`` folded over it. Raises
+        a ValidationError naming ``argument`` when the degrees do not multiply to the world."""
         if shape is None:
-            return cls(cp=world)
+            return cls(cp=world, ep=ep)
         values = list(full_shape(shape))
         known = math.prod(v for v in values if v != -1)
         if -1 in values and known and world % known == 0:
@@ -67,7 +73,7 @@ class ParallelDims:
         if math.prod(values) != world or min(values) < 1:
             raise ValidationError([Problem(argument, f"{tuple(shape)} does not multiply to the world size {world}",
                                            _shape_fix(len(shape), world))])
-        return cls(*values)
+        return cls(*values, ep=ep)
 
     @classmethod
     def of_mesh(cls, mesh: Any) -> tuple[ParallelDims, list[Problem]]:
@@ -112,8 +118,9 @@ class ParallelDims:
         return rank // (self.cp * self.tp)
 
     def label(self) -> str:
-        """'dp2·cp4', 'dp1·cp2·tp2', 'dpr2·dp2·cp2·tp2': the (dp, cp) mesh's label as before, tp and HSDP when used."""
-        return shape_label(self.shape)
+        """'dp2·cp4', 'dp1·cp2·tp2', 'dpr2·dp2·cp2·tp2', 'dp2·cp2 ep4': the (dp, cp) mesh's label as before, tp and
+        HSDP when used, ep (folded: it multiplies nothing) when above 1."""
+        return shape_label(self.shape) + (f" ep{self.ep}" if self.ep > 1 else "")
 
     # -- what it can run -----------------------------------------------------------------------
     def model_problems(self, *, heads: int | None = None, kv_heads: int | None = None,
@@ -167,6 +174,21 @@ class ParallelDims:
 
         return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard * self.cp, self.tp),
                                 mesh_dim_names=MODEL_DIMS)
+
+
+def ep_problems(shape: Sequence[int], ep: int, argument: str = "config.ep_degree") -> list[Problem]:
+    """Why a mesh of degrees ``shape`` (dp_replicate, dp_shard, cp, tp) cannot fold ``ep`` over its dp_shard x cp
+    ranks: the one rule the mesh, the search's space and the plan apply."""
+    dpr, dps, cp, tp = shape
+    if ep <= 1:
+        return []
+    if tp > 1 or dpr > 1:
+        return [Problem(argument, f"is {ep} on {shape_label(shape)}", "use ep_degree=1 with tp or dp_replicate, or "
+                        "a (dp, cp) mesh with ep: experts beside tensor parallelism and HSDP are not built yet")]
+    if (dps * cp) % ep:
+        return [Problem(argument, f"is {ep}, which does not divide the {dps * cp} ranks of dp_shard x cp",
+                        f"use an ep_degree that divides {dps * cp}")]
+    return []
 
 
 def full_shape(shape: Sequence[int]) -> tuple[int, ...]:

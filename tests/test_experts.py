@@ -213,4 +213,43 @@ def test_an_ep_that_cannot_split_the_experts_is_refused_by_name(ranks):
     assert "ep: is 2 but LlamaForCausalLM has no grouped experts" in found[2]
     assert "model: has experts split over expert-parallel ranks" in found[-3]  # an export would mix ranks' experts
     assert "split over expert-parallel ranks already" in found[-2]
-    assert "ac: is 'selective' with ep under FSDP2. Fix: use ac='full' or 'none' with ep" in found[-1], found[-1]
+    assert "ac: is 'selective' with ep 2 under FSDP2. Fix: use ac='full' or 'none' with ep" in found[-1], found[-1]
+
+
+@needs_grouped
+def test_a_search_picks_ep_where_it_wins_and_its_recipe_trains_and_resumes_as_one_process(tmp_path):
+    """``cptune search --model`` on a mixture of experts whose experts outweigh the rest (16 experts 4,096 wide a
+    layer): the search's ep axis, measured; ep2 beats FSDP2 alone there (it gathers no expert) and the recipe carries
+    it. ``cptune launch`` trains it at dp1·cp2 ep2, checkpointed at step 2 and resumed for step 3, with the losses
+    ``train_hf`` gets in one process (<= 1e-5); resuming under another ep is refused by name."""
+    import json
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from cptune.cli import main
+    from tests._helpers import run_ok
+
+    config = M.tiny_config("qwen3_moe")
+    config.num_experts, config.moe_intermediate_size = 16, 4096
+    config.save_pretrained(tmp_path / "model")
+    rows = ["--seq-len", "64", "--batch", "2"]
+    run_ok([sys.executable, "-m", "cptune", "search", "--model", "model", *rows, "--nproc", "2", "--min-seconds", "0",
+            "--memory-budget", "2GiB", "--storage", f"sqlite:///{tmp_path / 's.db'}", "--out", "r.yaml"], tmp_path)
+    recipe = cptune.load_recipe(tmp_path / "r.yaml")
+    assert recipe.config.ep_degree == 2, recipe.config
+    assert "experts split over groups of 2 ranks" in CliRunner().invoke(main, ["show", str(tmp_path / "r.yaml")]).output
+    run_ok([sys.executable, "-m", "cptune.examples.train_hf", "--model", "model", *rows, "--steps", "3",
+            "--losses-out", "one.json"], tmp_path)
+    launch = [sys.executable, "-m", "cptune", "launch", "r.yaml", "config.mesh_shape=[1,2]", "--", "--batch", "2",
+              "--checkpoint-dir", "ck"]
+    run_ok([*launch, "--steps", "2", "--losses-out", "first.json"], tmp_path)
+    run_ok([*launch, "--steps", "3", "--resume", "--losses-out", "cp.json"], tmp_path)
+    one, first, cp = (json.loads((tmp_path / f"{x}.json").read_text()) for x in ("one", "first", "cp"))
+    assert (cp["cp"], cp["start"], len(first["losses"] + cp["losses"])) == (2, 2, 3), cp
+    assert max(abs(a - b) for a, b in zip(one["losses"], first["losses"] + cp["losses"])) <= 1e-5, (one, first, cp)
+    other = subprocess.run([*launch[:5], "config.ep_degree=1", *launch[5:], "--steps", "4", "--resume"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert other.returncode != 0 and "resume: the newest checkpoint in ck (step-3) keeps its experts split over ep 2" \
+        in other.stdout + other.stderr and "Traceback" not in other.stderr, other.stderr

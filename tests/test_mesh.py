@@ -32,6 +32,29 @@ def test_a_dp_cp_shape_is_the_named_mesh_without_tp():
     assert cptune.CPConfig(mesh_shape=(1, -1, 2, 2)).resolve_mesh_shape(8) == (2, 2)
 
 
+def test_ep_folds_over_dp_shard_x_cp_and_multiplies_nothing():
+    """ep (torchtitan's and Megatron-Core's fold): the world is dp_replicate x dp_shard x cp x tp alone; ep must
+    divide dp_shard x cp, and beside tp or dp_replicate it is refused by name (not built); recipes without it read
+    as ep 1, keyed and labelled as before."""
+    config = cptune.CPConfig(mesh_shape=(2, 2), ep_degree=4)
+    dims = config.parallel_dims(4)
+    assert (dims.world, dims.ep, dims.label(), config.label()) == (4, 4, "dp2·cp2 ep4",
+                                                                  "dp2·cp2 allgather lb-auto default ep4")
+    assert cptune.CPConfig(mesh_shape=(2, 2)).parallel_dims().ep == 1
+    for shape, ep, said in (((2, 2), 3, "config.ep_degree: is 3, which does not divide the 4 ranks of dp_shard x cp"),
+                            ((1, 1, 2, 2), 2, "config.ep_degree: is 2 on dp1·cp2·tp2"),
+                            ((2, 1, 2, 1), 2, "config.ep_degree: is 2 on dpr2·dp1·cp2")):
+        with pytest.raises(ValidationError, match=said.replace("·", ".")):
+            cptune.CPConfig(mesh_shape=shape, ep_degree=ep).parallel_dims()
+    with pytest.raises(ValidationError, match="ep_degree: Input should be greater than or equal to 1"):
+        cptune.CPConfig(ep_degree=0)
+    from cptune.plan import config_from, config_key
+
+    assert config_key(config_from({"mesh": "2x2", "rotate_method": "alltoall", "sdpa_backend": "flash",
+                                   "load_balance": True})) == "dp2-cp2-alltoall-lb-flash"  # as before ep
+    assert config_key(config.model_copy(update={"sdpa_backend": ("flash",)})).startswith("dp2-cp2-ep4-")
+
+
 @pytest.mark.parametrize("shape,world,match", [
     ((1, 2, 2, 2), 4, r"config.mesh_shape: \(1, 2, 2, 2\) does not multiply to the world size 4.*dp_replicate"),
     ((3, 2), 4, r"config.mesh_shape: \(3, 2\) does not multiply.*dp \* cp == 4"),

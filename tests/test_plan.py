@@ -14,7 +14,8 @@ from click.testing import CliRunner
 import cptune
 import cptune.plan as P
 from cptune.plan._calibrate import fold
-from cptune.plan._step import RING_STEP_BYTES, busiest_pairs, ring_blocks
+from cptune.plan import busiest_pairs, ring_blocks
+from cptune.plan._step import RING_STEP_BYTES
 from cptune.search.memory import predict_peak
 from cptune.errors import ValidationError
 

@@ -23,6 +23,7 @@ from cptune.plan._dims import _from_fields
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_MOE = ROOT / "examples/models/qwen3-30b-a3b"
 DEEPSEEK_V3 = ROOT / "examples/models/deepseek-v3"
+GPT_OSS_120B = ROOT / "examples/models/gpt-oss-120b"
 LLAMA_8B = ROOT / "examples/models/llama-3.1-8b"
 H100 = P.load_hardware("h100")
 
@@ -211,6 +212,39 @@ def test_a_deepseek_v3_fits_nothing_without_expert_parallelism_and_says_each_par
     assert {p.point.config.parallel_dims().tp for p in plan.predictions} == {1}  # experts are not split by tp
     by_hand = P.plan(dims, P.plan_workload(dims, 131072), H100, 64, ac_modes=("full",))  # no model to read a TP plan
     assert {p.point.config.parallel_dims().tp for p in by_hand.predictions} == {1}
+
+
+def test_expert_parallelism_fits_a_deepseek_v3_on_256_h100s_where_fsdp2_alone_does_not():
+    """At 128K tokens on 256 H100s the plan proposes an ep configuration that fits: its gathered layers are an MoE
+    layer's E / ep experts, not all 256; every row without ep is over the budget, by its gathered layers."""
+    dims = P.dims_from_config(DEEPSEEK_V3)
+    plan = P.plan(dims, P.plan_workload(dims, 131072, model=str(DEEPSEEK_V3)), H100, 256, ac_modes=("full",))
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:  # 4.x builds a list of expert modules: no ep to offer
+        assert {p.point.config.ep_degree for p in plan.predictions} == {1} and plan.best is None
+        assert "(no ep: transformers builds these experts ungrouped, or is missing)" in plan.header()
+        return
+    best = plan.best
+    assert best is not None and best.point.config.ep_degree > 1 and best.peak_bytes <= plan.budget, plan.table(5)
+    assert best.time["comm_ep"] > 0 and f"ep{best.point.config.ep_degree}" in plan.best_line()
+    alone = [p for p in plan.predictions if p.point.config.ep_degree == 1]
+    assert alone and all(p.infeasible for p in alone)
+    closest = min(alone, key=lambda p: p.peak_bytes)
+    assert closest.memory["gathered_layers"] > 4 * best.memory["gathered_layers"], (closest.memory, best.memory)
+    assert "or E / ep under expert parallelism" in plan.header()
+    assert {p.point.ac for p in plan.predictions} == {"full"}
+    selective = P.plan(dims, P.plan_workload(dims, 131072, model=str(DEEPSEEK_V3)), H100, 256,
+                       ac_modes=("selective",))
+    assert {p.point.config.ep_degree for p in selective.predictions} == {1}  # refused with ep under FSDP2
+
+
+def test_gpt_oss_120b_counts_its_published_parameters():
+    """OpenAI's model card: 116.8B parameters, 5.1B active (the embedding table not counted: 5.71B less its 0.58B)."""
+    dims = P.dims_from_config(GPT_OSS_120B)
+    assert abs(dims.params / 116.8e9 - 1) < 0.002, dims.params
+    assert abs((dims.active_params - dims.vocab * dims.hidden) / 5.13e9 - 1) < 0.01, dims.active_params
+    assert "4 of 128 experts" in dims.describe()
 
 
 def test_planning_a_deepseek_v3_allocates_nothing_and_takes_seconds():

@@ -193,6 +193,8 @@ def test_the_plan_prices_the_tower_and_its_frames(tmp_path):
     from cptune.plan._tower import tower_from_fields
 
     for family in SPLIT:
+        if MV.tiny_config(family) is None:  # a family this transformers does not have
+            continue
         built = sum(p.numel() for p in MV.build(family).model.visual.parameters())
         assert abs(tower_from_fields(MV.tiny_config(family).to_dict()).params / built - 1) < 0.05, family
     model = str(M.ROOT / "examples/models/qwen2.5-vl-7b-shaped")

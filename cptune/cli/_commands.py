@@ -191,7 +191,9 @@ def show(recipe_path, as_json) -> None:
         click.echo(f"model run: {w.model}" + (f" with {w.model_overrides}" if w.model_overrides else "")
                    + f", {w.seq_len} tokens x {w.batch} per replica, {w.documents or 'unpacked'}, ac {w.ac}, "
                    f"compile {'on' if w.compile else 'off'}, FSDP2 over dp x cp"
-                   + (", tp by the model's own plan" if mesh.tp > 1 else "") + ", AdamW")
+                   + (", tp by the model's own plan" if mesh.tp > 1 else "")
+                   + (f", each MoE layer's experts split over groups of {mesh.ep} ranks (ep{mesh.ep}, tokens traded "
+                      "by all-to-all)" if mesh.ep > 1 else "") + ", AdamW")
     click.echo(f"config   : {c.label()}" + ("" if mesh.cp == 1 else f"  (strategy {c.strategy}"
                + (f", ulysses_degree {c.ulysses_degree}" if c.ulysses_degree else "") + ")"))
     mixers = _mixers_line(w, c, mesh.cp)

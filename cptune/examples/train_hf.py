@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 import cptune
 import cptune.hf
+import cptune.experts
 from cptune import models
 from cptune.cli import script_check
 from cptune.errors import Problem, ValidationError, raise_if
@@ -139,17 +140,20 @@ def checkpoints(folder: Path) -> list[Path]:
     return sorted((p for p in folder.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
 
 
-def save(folder: Path, step: int, model, optimizer, scheduler, rank: int) -> None:
+def save(folder: Path, step: int, model, optimizer, scheduler, rank: int, ep: int = 1) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     partial, final = folder / f"step-{step}.partial", folder / f"step-{step}"
     if rank == 0 and partial.exists():
         shutil.rmtree(partial)  # left by a crash
-    model_state, optim_state = get_state_dict(model, optimizer)
+    # each ep group's experts under names of their own (one name on two groups' ranks would be one tensor)
+    model_state, optim_state = cptune.experts.renamed(*get_state_dict(model, optimizer),
+                                                      cptune.experts.saved_names(model))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
     if rank == 0:
-        (partial / "trainer.json").write_text(json.dumps({"step": step, "scheduler": scheduler.state_dict()}))
+        (partial / "trainer.json").write_text(json.dumps({"step": step, "scheduler": scheduler.state_dict(),
+                                                          "ep": ep}))
     if dist.is_initialized():
         dist.barrier()  # every rank's shards are written
     if rank == 0:
@@ -164,10 +168,12 @@ def resume(folder: Path, model, optimizer, scheduler) -> int:
     found = checkpoints(folder)
     if not found:
         return 0
-    model_state, optim_state = get_state_dict(model, optimizer)
+    names = cptune.experts.saved_names(model)
+    model_state, optim_state = cptune.experts.renamed(*get_state_dict(model, optimizer), names)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(found[-1]))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model_state, optim_state = cptune.experts.renamed(state["model"], state["optim"], {v: k for k, v in names.items()})
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     trainer = json.loads((found[-1] / "trainer.json").read_text())
     scheduler.load_state_dict(trainer["scheduler"])
     return trainer["step"]
@@ -241,8 +247,13 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     video = cptune.Workload(seq_len=seq_len, documents=spec, model=str(path), video=video).video_grid
     raise_if([Problem("data", "is given with --video", "train a video model on its synthetic rows (no --data)")]
              if video and data else [])
-    raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_, hf_config))
+    raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_, hf_config, dims.ep))
     options.check_checkpointing(checkpoint_dir, resume, save_every)
+    newest = checkpoints(Path(checkpoint_dir))[-1:] if resume and checkpoint_dir else []
+    saved = json.loads((newest[0] / "trainer.json").read_text()).get("ep", 1) if newest else dims.ep
+    raise_if([Problem("resume", f"the newest checkpoint in {checkpoint_dir} ({newest[0].name}) keeps its experts "
+                      f"split over ep {saved}, and this run's ep is {dims.ep}", f"resume with config.ep_degree={saved} "
+                      "(a checkpoint names each ep group's experts)")] if saved != dims.ep else [])
     if eos_id is not None and not (data or "").endswith(".npy"):
         raise ValidationError([Problem("eos_id", "is read only from a 1-D .npy --data", "drop --eos-id, or give "
                                        "--data as a .npy token stream")])
@@ -285,7 +296,7 @@ def train(args: SimpleNamespace) -> None:
     # on the meta device, then one sharded layer at a time: no rank holds the whole model; the same weights at
     # any world size (seeded per layer), or the --model folder's safetensors read into each rank's shards
     model = models.build_model(args.hf_config, device, weights=args.path if args.weights else None,
-                               fsdp_mesh=fsdp_mesh, ac=args.ac, compile=args.compile, cp=cp)
+                               fsdp_mesh=fsdp_mesh, ac=args.ac, compile=args.compile, cp=cp, ep=args.dims.ep)
     cptune.hf.enable(model, check=args.check, check_tokens=args.check_tokens)
     report = cptune.hf.check(model, config=config, packed=bool(args.spec or args.data), seq_len=seq_len)
     if report is not None and rank == 0:  # else a family the matrix has proven (or --check never)
@@ -322,9 +333,12 @@ def train(args: SimpleNamespace) -> None:
         if distributed:  # each rank's loss is scaled so that its average over ranks is the global mean
             dist.all_reduce(loss)
             if fsdp_mesh is None:  # FSDP averages gradients itself; by hand: sum, then divide (gloo has no AVG)
-                for p in model.parameters():
-                    dist.all_reduce(p.grad)
-                    p.grad /= world
+                split = cptune.experts.ep_parameters(model)  # each rank's own experts: over their replicas
+                for name, p in model.named_parameters():
+                    if name not in split:
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+                cptune.experts.average_gradients(model)
             loss /= world
         optimizer.step()
         scheduler.step()
@@ -334,7 +348,7 @@ def train(args: SimpleNamespace) -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f} tokens/s {batch * seq_len / seconds:,.0f}", flush=True)
         if folder and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
-            save(folder, step + 1, model, optimizer, scheduler, rank)
+            save(folder, step + 1, model, optimizer, scheduler, rank, args.dims.ep)
     peaks = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024]  # this rank's peak RSS (Linux: KiB)
     if distributed:
         peaks = [None] * world

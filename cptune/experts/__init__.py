@@ -10,11 +10,12 @@ group of ranks and its tokens traded for them by all-to-all, beside context para
         loss.backward()
     cptune.experts.average_gradients(model)         # the experts' as the world's average; the rest as under CP
 
-The first-step check (:mod:`cptune.hf`) compares each rank's experts' gradients with one process's.
+The first-step check (:mod:`cptune.hf`) compares each rank's experts' gradients with one process's. A distributed
+checkpoint keeps each group's experts under names of their own (:func:`saved_names`, :func:`renamed`).
 """
 
 from ._parallel import average_gradients, averaged, ep_groups, ep_parameters, ep_problems, expert_parallel, \
-    experts_modules, local_experts, split, world_problems
+    experts_modules, local_experts, renamed, saved_names, split, world_problems
 
 __all__ = ["average_gradients", "averaged", "ep_groups", "ep_parameters", "ep_problems", "expert_parallel",
-           "experts_modules", "local_experts", "split", "world_problems"]
+           "experts_modules", "local_experts", "renamed", "saved_names", "split", "world_problems"]

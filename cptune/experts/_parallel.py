@@ -145,6 +145,31 @@ def local_experts(module: nn.Module) -> tuple[int, int]:
     return module._cptune_experts
 
 
+def saved_names(model: nn.Module) -> dict[str, str]:
+    """Each split expert parameter's name -> the name a checkpoint keeps it under: ``<name>@experts<first>-<last>of
+    <all>``. A distributed checkpoint keys tensors by name, and the ranks of different ep groups hold different experts
+    under one name: saved as they are, one group's would stand for every group's."""
+    names = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "_cptune_experts"):
+            total, first = module._cptune_experts
+            for pname, p in module.named_parameters(recurse=False):
+                if p.shape[0] == module.num_experts:
+                    full = f"{name}.{pname}" if name else pname
+                    names[full] = f"{full}@experts{first}-{first + module.num_experts - 1}of{total}"
+    return names
+
+
+def renamed(model_state: dict, optim_state: dict, names: dict[str, str]) -> tuple[dict, dict]:
+    """``torch.distributed.checkpoint.state_dict.get_state_dict``'s model and optimizer state with each name in
+    ``names`` as it maps it (:func:`saved_names` to save; its inverse to load back)."""
+    model_state = {names.get(k, k): v for k, v in model_state.items()}
+    optim_state = {**optim_state, "state": {names.get(k, k): v for k, v in optim_state.get("state", {}).items()},
+                   "param_groups": [{**g, "params": [names.get(k, k) for k in g["params"]]}
+                                    for g in optim_state.get("param_groups", [])]}
+    return model_state, optim_state
+
+
 def ep_parameters(model: nn.Module) -> dict[str, Any]:
     """Each parameter :func:`expert_parallel` split (its name in ``model``) -> the process group of its replicas (the
     ranks that hold the same experts)."""

@@ -99,10 +99,8 @@ def _ep_problems(model: nn.Module, ep: int, fsdp_mesh: Any, tp_mesh: Any, weight
     if ep <= 1:
         return []
     problems = experts.ep_problems(model, ep) + experts.world_problems(ep)
-    if ac == "selective" and fsdp_mesh is not None:  # the experts' FSDP2 unit runs its hooks again in the recompute
-        problems.append(Problem("ac", "is 'selective' with ep under FSDP2", "use ac='full' or 'none' with ep: "
-                                "selective checkpointing's op cache meets ops of the experts' own FSDP2 unit in the "
-                                "recompute that its forward did not record (DeepSeek-V3 fails there)"))
+    if fsdp_mesh is not None:  # selective checkpointing's refusal (the experts' FSDP2 unit)
+        problems += training_problems(ac or "none", False, ep=ep)
     if tp_mesh is not None or (fsdp_mesh is not None and fsdp_mesh.ndim > 1):
         problems.append(Problem("ep", f"is {ep} with tensor parallelism or HSDP", "use a 1-D fsdp_mesh (dp_shard x "
                                 "cp) with ep: experts beside tp and dp_replicate are not built yet"))

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from .. import experts
 from .. import mixers as _mixers
 from ..errors import Problem
 from ..mesh import ParallelDims
@@ -95,20 +96,26 @@ def whole_layers(config, model: nn.Module | None = None, cp: int = 2, mixers: st
 def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape",
                   model: nn.Module | None = None, ulysses: int = 1) -> list[Problem]:
     """Everything about ``config``'s model that ``dims`` cannot train right: :func:`cp_problems` and
-    :func:`tp_problems`, and a Ulysses degree (``ulysses``: the configuration's, :meth:`cptune.CPConfig.degrees`)
+    :func:`tp_problems`, experts its ep cannot split (:func:`cptune.experts.ep_problems`), and a Ulysses degree (``ulysses``: the configuration's, :meth:`cptune.CPConfig.degrees`)
     that does not divide the heads each tp rank holds; the one check the scripts, ``cptune launch``, the search and
     the plan make."""
-    made = model if model is not None or (dims.cp == 1 and dims.tp == 1) else _empty_model(config)
+    made = model if model is not None or (dims.cp == 1 and dims.tp == 1 and dims.ep == 1) else _empty_model(config)
     heads = ParallelDims(tp=dims.tp).model_problems(heads=attention_shape(config)["heads"], ulysses=ulysses) \
         if ulysses > 1 else []
     return cp_problems(config, dims.cp, argument, made) + tp_problems(config, dims.tp, argument, made) + \
-        [p for p in heads if p.argument == "config.ulysses_degree"]
+        [p for p in heads if p.argument == "config.ulysses_degree"] + \
+        (experts.ep_problems(made, dims.ep, "config.ep_degree") if dims.ep > 1 else [])
 
 
-def training_problems(ac: str, compile: bool, config: Any = None) -> list[Problem]:
+def training_problems(ac: str, compile: bool, config: Any = None, ep: int = 1) -> list[Problem]:
     """What this transformers cannot train right under CP: compile with activation checkpointing before the
     releases that have ``activation_checkpointing_enable`` (found by that name, not by version); compile of a
-    vision-language ``config``'s model (its tower's blocks do not trace under cptune's block)."""
+    vision-language ``config``'s model (its tower's blocks do not trace under cptune's block); selective
+    checkpointing with expert parallelism (``ep`` above 1) under FSDP2, as the scripts and the search train."""
+    if ac == "selective" and ep > 1:  # the experts' FSDP2 unit runs its hooks again in the recompute
+        return [Problem("ac", f"is 'selective' with ep {ep} under FSDP2", "use ac='full' or 'none' with ep: "
+                        "selective checkpointing's op cache meets ops of the experts' own FSDP2 unit in the "
+                        "recompute that its forward did not record (DeepSeek-V3 fails there)")]
     if compile and getattr(config, "vision_config", None) is not None:
         return [Problem("compile (--compile)", f"compiles each decoder layer, and {type(config).__name__}'s vision "
                         "tower blocks do not compile under cptune's block yet (dynamo fails tracing their per-image "

@@ -84,6 +84,8 @@ class ExpertDims(StrictModel):
     """One MoE layer's MLP parameters: every routed expert, the router, the shared experts."""
     active_params: int = Field(gt=0)
     """Those of one MoE layer a token goes through: ``active`` routed experts, the router, the shared experts."""
+    routed: int = Field(0, ge=0)
+    """One MoE layer's routed experts' parameters: what expert parallelism splits (0: not read)."""
 
     @property
     def active_width(self) -> int:
@@ -216,7 +218,33 @@ def experts_from_fields(text: Mapping[str, Any], model_type: str) -> ExpertDims 
     common = router + 3 * h * shared_width + gate
     return ExpertDims(experts=experts, active=min(active, experts), width=width, shared=shared,
                       shared_width=shared_width, layers=sum(flags), params=experts * expert + common,
-                      active_params=min(active, experts) * expert + common)
+                      active_params=min(active, experts) * expert + common, routed=experts * expert)
+
+
+@dataclass(frozen=True)
+class EpTerms:
+    """Expert parallelism over ``ep`` ranks (:attr:`cptune.CPConfig.ep_degree`) as the step model prices it: the
+    routed experts' parameters a rank does not gather per MoE layer unit (FSDP2 gathers its E / ep experts over
+    their replicas only), the same as a mean over the layers (the FSDP traffic), and each all-to-all's bytes and
+    messages on one rank (the tokens' routed copies out to their experts' ranks, or back), four per MoE layer a
+    step and two more when full AC recomputes the forward."""
+
+    unit_less: float
+    layer_less: float
+    trade_bytes: float
+    messages: int
+    passes: int
+
+
+def ep_terms(experts: ExpertDims | None, ep: int, layers: int, tokens: int, hidden: int, itemsize: int,
+             ac: str) -> EpTerms | None:
+    """:class:`EpTerms` of ``experts`` over ``ep`` ranks, ``tokens`` on this rank (None: no expert parallelism)."""
+    if experts is None or ep <= 1:
+        return None
+    less = experts.routed * (1 - 1 / ep)
+    return EpTerms(unit_less=less, layer_less=less * experts.layers / layers,
+                   trade_bytes=tokens * experts.active * hidden * itemsize * (ep - 1) / ep, messages=ep - 1,
+                   passes=experts.layers * (4 + 2 * (ac == "full")))
 
 
 @dataclass(frozen=True)

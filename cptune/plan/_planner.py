@@ -14,7 +14,8 @@ from .._version import __version__
 from ..config import CPConfig
 from ..errors import Problem, ValidationError, raise_if
 from ..sizes import format_rate, format_size
-from ._space import AC_MODES, configurations, model_limits, tp_degrees, transformers_missing
+from ..models import training_problems
+from ._space import AC_MODES, configurations, expert_degrees, model_limits, tp_degrees, transformers_missing
 from ..workload import Workload
 from ._calibrate import Calibration
 from ._dims import ModelDims
@@ -23,12 +24,15 @@ from ._step import Point, Prediction, judge, predict
 
 def points(workload: Workload, world: int, ac_modes: tuple[str, ...] = AC_MODES, device_type: str | None = None,
            backend: str = "flash", tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,),
-           cp_refused: str | None = None, mixers: tuple[str, ...] = ()) -> tuple[list[Point], list[tuple[str, str]]]:
-    """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode, and the invalid ones with why;
-    ``mixers``: the ways a hybrid's mixer layers may cross the ranks (:attr:`cptune.CPConfig.mixers`)."""
+           cp_refused: str | None = None, mixers: tuple[str, ...] = (), ep: tuple[int, ...] = ()
+           ) -> tuple[list[Point], list[tuple[str, str]]]:
+    """Every distinct configuration of ``world`` ranks for ``workload`` x each AC mode it trains under, and the invalid
+    ones with why; ``mixers``: the ways a hybrid's mixer layers may cross the ranks (:attr:`cptune.CPConfig.mixers`);
+    ``ep``: its experts' degrees (:func:`cptune.plan.expert_degrees`)."""
     valid, invalid = configurations(workload, world, (backend,), device_type, tp_degrees, replicas, cp_refused,
-                                    mixers)
-    return [Point(config, ac) for config in valid for ac in ac_modes], invalid
+                                    mixers, ep)
+    return [Point(config, ac) for config in valid for ac in ac_modes
+            if not training_problems(ac, False, ep=config.ep_degree)], invalid
 
 
 @dataclass
@@ -132,12 +136,14 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
     if workload.model is not None and transformers_missing():
         notes.insert(0, "transformers is not installed: planned from config.json's fields alone, without the family's "
                         "TP plan or layer rule, so tp = 1 only and no layer refused or run whole")
-    moe = dims.experts
+    moe, ep = dims.experts, expert_degrees(workload, gpus)
     if moe is not None:
         notes.append(f"{moe.layers} of the {dims.layers} layers are a mixture of experts ({moe.describe()}): memory "
-                     f"holds every expert (an MoE layer's FSDP unit gathers all {moe.experts}), FLOPs count those a "
-                     "token goes through; cptune has no expert parallelism: FSDP2 shards the experts over dp x cp, "
-                     "and tp does not split them")
+                     f"holds every expert, FLOPs count those a token goes through; an MoE layer's FSDP unit gathers "
+                     f"all {moe.experts}" + (", or E / ep under expert parallelism (the rows with ep: each routed "
+                                             "copy traded by all-to-all, ep folded over dp x cp)" if ep else
+                                             " (no ep: transformers builds these experts ungrouped, or is missing)")
+                     + "; tp does not split them")
     mix = dims.mixer
     if whole:
         notes.append(f"under cp > 1 the layers that mix tokens outside attention ({whole}) run whole on every rank "
@@ -151,7 +157,8 @@ def plan(dims: ModelDims, workload: Workload, hardware: Hardware, gpus: int, gpu
                         f"by an all-to-all over {mix.heads} heads where cp divides them") + "; mixers: whole gathers "
                      "the sequence on every rank), linear-time compute with its state (cptune.plan._mixer_step)")
     valid, invalid = points(workload, gpus, ac_modes, tp_degrees=tps, replicas=(1, nodes) if nodes > 1 else (1,),
-                            cp_refused=cp_refused, mixers=(("whole",) if whole else ("split", "whole")) if mix else ())
+                            cp_refused=cp_refused, mixers=(("whole",) if whole else ("split", "whole")) if mix else (),
+                            ep=ep)
     if not valid:
         raise ValidationError([Problem("seq_len", f"no configuration of {gpus} GPUs can split this workload: "
                                        + "; ".join(sorted({r for _, r in invalid})[:3]),

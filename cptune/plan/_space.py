@@ -9,7 +9,10 @@ import torch
 
 from ..config import ROTATE_METHODS, CPConfig, decide_load_balance  # noqa: F401  (the search's axis)
 from ..attention import RING_BACKENDS, backend_problem
+from ..mesh import ep_problems, full_shape
+from ..models import training_problems
 from ..workload import AC_MODES, Workload  # noqa: F401  (AC_MODES: the planner's and the search's name for it)
+from ._experts import fewer_experts
 
 
 def strategies(world_size: int) -> tuple[str, ...]:
@@ -56,8 +59,6 @@ def model_limits(workload: Workload, degrees: tuple[int, ...]) -> tuple[tuple[in
 
     from .. import models
 
-    from ._experts import fewer_experts
-
     config = models.load_config(workload.model, workload.model_overrides)
     fewer = fewer_experts(config.to_dict())  # the same modules, made in a moment
     if fewer:
@@ -83,6 +84,30 @@ def mixer_choices(workload: Workload) -> tuple[str, ...]:
     return ("split", "whole") if any(_mixers.splits(m) for m in _mixers.model_coverage(model)[0].values()) else ()
 
 
+def expert_degrees(workload: Workload, world: int) -> tuple[int, ...]:
+    """The ep degrees (:attr:`cptune.CPConfig.ep_degree`) a ``--model`` workload's mixture of experts may take on
+    ``world`` ranks (the search's and the plan's ``ep`` axis): 1 and each divisor of the world that divides the
+    routed experts, where transformers builds them grouped (:func:`cptune.experts.experts_modules`, read on a model
+    made on the meta device with fewer experts: the same modules); none (no axis) for a dense model, without
+    transformers, or on one rank."""
+    if workload.model is None or world < 2 or transformers_missing():
+        return ()
+    from .. import experts, models
+    from ._experts import experts_from_fields
+
+    config = models.load_config(workload.model, workload.model_overrides)
+    text = config.get_text_config()
+    moe = experts_from_fields(text.to_dict(), text.model_type)
+    if moe is None:
+        return ()
+    fewer = fewer_experts(text.to_dict())
+    if fewer:
+        config = models.load_config(workload.model, {**(workload.model_overrides or {}), **fewer})
+    if not experts.experts_modules(models.empty_model(config, structure_only=True)):
+        return ()
+    return tuple(d for d in range(1, world + 1) if world % d == 0 and moe.experts % d == 0)
+
+
 def meshes(world_size: int, tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,)
            ) -> list[tuple[int, ...]]:
     """Every mesh of ``world_size`` ranks with a tp among ``tp_degrees`` and a dp_replicate among ``replicas``: (dp,
@@ -101,7 +126,7 @@ def usable_backends(device_type: str, dtype: torch.dtype) -> list[str]:
 def canonical(config: CPConfig) -> CPConfig:
     """The same configuration written one way: with cp == 1 the strategy, rotate method and load
     balancing don't apply; under Ulysses the rotate method and load balancing don't."""
-    if config.mesh_shape and config.parallel_dims().cp == 1:
+    if config.mesh_shape and _dims(config).cp == 1:
         return config.model_copy(update={"rotate_method": "allgather", "load_balance": False, "strategy": "ring",
                                          "ulysses_degree": None, "mixers": "split"})
     if config.strategy == "ulysses":
@@ -112,9 +137,9 @@ def canonical(config: CPConfig) -> CPConfig:
 def config_key(config: CPConfig, ac: str | None = None) -> str:
     """One name per distinct configuration (with ``ac``: the activation checkpointing a search tries with it)."""
     c = canonical(config)
-    dims = c.parallel_dims()
+    dims = _dims(c)
     mesh = (f"dpr{dims.dp_replicate}-" if dims.dp_replicate > 1 else "") + f"dp{dims.dp_shard}-cp{dims.cp}" + (
-        f"-tp{dims.tp}" if dims.tp > 1 else "")  # a (dp, cp) mesh keys as before the named mesh
+        f"-tp{dims.tp}" if dims.tp > 1 else "") + (f"-ep{c.ep_degree}" if c.ep_degree > 1 else "")  # as before
     backend = "+".join(c.sdpa_backend) + ("-mixers-whole" if c.mixers == "whole" else "") + (f"-ac-{ac}" if ac else "")
     if c.strategy == "ulysses":
         return f"{mesh}-ulysses-{backend}"
@@ -122,20 +147,28 @@ def config_key(config: CPConfig, ac: str | None = None) -> str:
     return f"{mesh}-{strategy}{c.rotate_method}-{'lb' if c.load_balance else 'nolb'}-{backend}"
 
 
+def _dims(config: CPConfig):
+    """``config``'s mesh without its ep (a configuration whose ep the mesh cannot fold is still keyed and told why)."""
+    return config.model_copy(update={"ep_degree": 1}).parallel_dims()
+
+
 def config_from(params: dict) -> CPConfig:
     """A configuration from the search's parameters; ``mesh`` is a shape of :func:`meshes`, 'DPxCP' or
-    'DPRxDPxCPxTP'."""
+    'DPRxDPxCPxTP'; ``ep`` (absent: 1) its expert-parallel degree."""
     shape = tuple(int(x) for x in params["mesh"].split("x"))
     strategy, _, u = params.get("strategy", "ring").partition("-u")
     lb = bool(params["load_balance"]) and strategy != "ulysses"
     return canonical(CPConfig(mesh_shape=shape, strategy=strategy, ulysses_degree=int(u) if u else None,
                               rotate_method=params["rotate_method"], sdpa_backend=(params["sdpa_backend"],),
-                              load_balance=lb, mixers=params.get("mixers", "split")))
+                              load_balance=lb, mixers=params.get("mixers", "split"), ep_degree=params.get("ep", 1)))
 
 
 def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None) -> str | None:
     """Why ``config`` can never run this workload (on ``device_type``'s kernels; None: not checked), or None."""
-    dims = config.parallel_dims()
+    dims = _dims(config)
+    folded = ep_problems(dims.shape, config.ep_degree) + training_problems(workload.ac, False, ep=config.ep_degree)
+    if folded:
+        return f"{folded[0].argument} {folded[0].message}"
     cp, s = dims.cp, workload.seq_len
     split = config.degree_problems(cp)
     if split:
@@ -158,23 +191,27 @@ def invalid_reason(workload: Workload, config: CPConfig, device_type: str | None
 
 def configurations(workload: Workload, world: int, backends: tuple[str, ...], device_type: str | None = None,
                    tp_degrees: tuple[int, ...] = (1,), replicas: tuple[int, ...] = (1,), cp_refused: str | None = None,
-                   mixers: tuple[str, ...] = ()) -> tuple[list[CPConfig], list[tuple[str, str]]]:
+                   mixers: tuple[str, ...] = (), ep: tuple[int, ...] = ()) -> tuple[list[CPConfig],
+                                                                                     list[tuple[str, str]]]:
     """Every distinct configuration of ``world`` ranks for ``workload`` over ``backends``: (the valid ones, in
     mesh / strategy / rotate / backend / load-balance order, and (label, why) for the invalid ones). The one
     enumeration the search's oracle and ``cptune plan`` both use; a hybrid whose Ulysses group does not split a
     mesh's cp is not a configuration of that mesh (skipped, not listed as invalid). ``cp_refused``: why the model
     cannot take cp > 1 (:func:`model_limits`), each such configuration invalid for it; ``mixers``: the ways its
-    hybrid layers may cross the ranks (:func:`mixer_choices`; none: as the configuration's default)."""
+    hybrid layers may cross the ranks (:func:`mixer_choices`; none: as the configuration's default); ``ep``: its
+    experts' degrees (:func:`expert_degrees`; an ep a mesh cannot fold is not a configuration of that mesh)."""
     seen: set[str] = set()
     valid: list[CPConfig] = []
     invalid: list[tuple[str, str]] = []
     balance = (True, False) if workload.causal else (False,)
-    for shape, strategy, rotate, backend, lb, mix in itertools.product(
+    for shape, strategy, rotate, backend, lb, mix, degree in itertools.product(
             meshes(world, tp_degrees, replicas), strategies(world), ROTATE_METHODS, backends, balance,
-            mixers or ("split",)):
+            mixers or ("split",), ep or (1,)):
+        if ep_problems(full_shape(shape), degree):
+            continue
         config = config_from({"mesh": "x".join(map(str, shape)),
                               "strategy": strategy, "rotate_method": rotate, "sdpa_backend": backend,
-                              "load_balance": lb, "mixers": mix})
+                              "load_balance": lb, "mixers": mix, "ep": degree})
         key = config_key(config)
         if key in seen or config.degree_problems(config.parallel_dims().cp):
             continue

@@ -16,25 +16,22 @@ Memory: parameters, gradients and AdamW states sharded by FSDP over dp x cp, the
 activations per AC mode, the loss's working set (cptune's chunked loss: one chunk's float32 logits over this tp
 rank's share of the vocabulary, and a float per token; ``loss: whole``: the whole logits), the attention's
 temporaries and communication buffers, and the process's baseline. A mixture of experts (:mod:`._experts`) holds
-every expert (and FSDP gathers an MoE layer whole) and computes what a token goes through: its top-k experts. A
-vision-language model's tower (:mod:`._tower`): its parameters, and with a video its frames' work and rows' trade.
-"""
+every expert (FSDP gathers an MoE layer whole, or its E / ep under expert parallelism, which trades each routed
+copy by all-to-all) and computes what a token goes through: its top-k experts. A vision-language model's tower
+(:mod:`._tower`): its parameters, and with a video its frames' work and rows' trade."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass, field, replace
-
-import torch
 
 from ..models import keeps_tp_shards
 from ..losses import chunk_tokens_for
 from ..sizes import format_size
-from ..attention import Layout, documents_from_lengths, kv_replication, lengths_from_spec, needs, token_work, \
-    work_chunks
+from ..attention import kv_replication
 from ..config import CPConfig, decide_load_balance
 from ..workload import Workload
 from . import _experts, _mixer_step, _tower
+from ._ring import busiest_pairs, kept_attention_layer, prefetches, ring_blocks, ring_buffer_bytes
 from ._dims import ModelDims
 from ._hardware import Hardware
 
@@ -95,94 +92,6 @@ class Prediction:
         d["point"] = {"label": self.point.label(), "config": self.point.config.model_dump(mode="json"),
                       "ac": self.point.ac, "sync": self.point.sync}
         return d
-
-
-# -- memory rules the search's memory model (cptune/search/memory.py) uses too --------------------------------
-
-def prefetches(config: CPConfig, workload: Workload) -> bool:
-    """Whether the ring sends the next K/V block during this one's: the point-to-point rotation, and cptune's
-    masked ring (documents or a window) with either rotate method."""
-    return config.rotate_method == "alltoall" or workload.documents is not None or workload.window is not None
-
-
-def ring_buffer_bytes(block: float, ring: int, config: CPConfig, workload: Workload, received: int) -> float:
-    """What the ring's rotation holds, ``block`` being one ring step's K and V and ``received`` the blocks this rank
-    receives (:func:`ring_blocks`): PyTorch's all-gather every ring rank's block and the next, its point-to-point
-    rotation three in flight; cptune's masked ring (documents or a window) every block it receives at once
-    (allgather) or two at a time (alltoall), besides its own."""
-    if ring == 1:
-        return 0.0
-    if workload.documents is None and workload.window is None:
-        return block * (3 if config.rotate_method == "alltoall" else ring + 1)
-    return block * (1 + (received if config.rotate_method == "allgather" else min(2, received)))
-
-
-def kept_attention_layer(q_bytes: float, ring: int, exchanged: float) -> float:
-    """What autograd keeps of an attention-only layer, ``q_bytes`` one (B, H, S/cp, D) tensor: its input,
-    output and residual sum, and under the ring the float32 merged output and log-sum-exp (calibrated on CPU,
-    float32); ``exchanged``: Ulysses' head-sharded q, k, v and out."""
-    return (3.5 if ring == 1 else 5.5) * q_bytes + exchanged
-
-
-@functools.lru_cache(maxsize=32)
-def _ids(seq_len: int, documents: str | None) -> torch.Tensor | None:
-    """(1, S) document ids of a workload's documents spec, or None."""
-    return documents_from_lengths(lengths_from_spec(documents, seq_len)) if documents else None
-
-
-@functools.lru_cache(maxsize=32)
-def _work(seq_len: int, documents: str | None, causal: bool, window: int | None) -> torch.Tensor:
-    return token_work(_ids(seq_len, documents), seq_len, causal, None if window is None else (window, 0))
-
-
-@functools.lru_cache(maxsize=32)
-def _positions(seq_len: int, documents: str | None, causal: bool, window: int | None, ring: int,
-               balanced: bool) -> torch.Tensor:
-    """(ring, S / ring): the positions each ring rank holds, dealt as the block deals them (:func:`work_chunks`)."""
-    chunks = None
-    if balanced:
-        found = work_chunks(_work(seq_len, documents, causal, window), ring,
-                            by_work=bool(documents) or window is not None)
-        chunks = found[0] if found is not None else None
-    layout = Layout(ring, ring, balanced, chunks)
-    return torch.stack([layout.ring_positions(seq_len, r) for r in range(ring)])
-
-
-def busiest_pairs(workload: Workload, ring: int, balanced: bool) -> float:
-    """Attended (query, key) pairs per sequence of the ring position with the most, over ``ring`` shards."""
-    w = workload
-    return _busiest(w.seq_len, w.documents, w.causal, w.window, ring, balanced)
-
-
-@functools.lru_cache(maxsize=256)
-def _busiest(seq_len: int, documents: str | None, causal: bool, window: int | None, ring: int,
-             balanced: bool) -> float:
-    work = _work(seq_len, documents, causal, window)
-    if ring == 1:
-        return float(work.sum())
-    return float(work[_positions(seq_len, documents, causal, window, ring, balanced)].sum(-1).max())
-
-
-@functools.lru_cache(maxsize=64)
-def _blocks(seq_len: int, documents: str | None, causal: bool, window: int | None, ring: int,
-            balanced: bool) -> tuple[int, int]:
-    positions = _positions(seq_len, documents, causal, window, ring, balanced)
-    need = needs(positions, _ids(seq_len, documents), 1, causal, None if window is None else (window, 0))
-    others = [[s for s in range(ring) if s != d] for d in range(ring)]
-    return (max(sum(need[d][s] for s in others[d]) for d in range(ring)),
-            max(sum(need[d][s] for d in others[s]) for s in range(ring)))
-
-
-def ring_blocks(workload: Workload, ring: int, balanced: bool) -> tuple[int, int]:
-    """(the most K/V blocks a ring rank receives, the most one sends) per pass over the ring: every other rank's
-    under PyTorch's ring; under cptune's masked ring (documents or a window) only the blocks some query of the
-    receiver attends (the send rule, :func:`cptune.attention.needs`)."""
-    w = workload
-    if ring == 1:
-        return 0, 0
-    if w.documents is None and w.window is None:
-        return ring - 1, ring - 1
-    return _blocks(w.seq_len, w.documents, w.causal, w.window, ring, balanced)
 
 
 class _Links:
@@ -311,14 +220,20 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         comm["mixers"] = M * links.seconds(mixing.forward_bytes + mixing.backward_bytes + again,
                                            mixing.messages * (3 if again else 2), cp * tp)
         exposed += comm["mixers"]
+    ept = _experts.ep_terms(dims.experts, mesh.ep, L, tokens, h, e, point.ac)  # expert parallelism (None: none)
+    if ept is not None:  # each routed copy to its expert's rank and back: ep consecutive ranks
+        comm["ep"] = ept.passes * links.seconds(ept.trade_bytes, ept.messages, mesh.ep * tp)
+        exposed += comm["ep"]
     sharded = mesh.dp_shard * cp  # FSDP2's ranks (each tp rank's own); HSDP replicates over dp_replicate
     shards = sharded if point.fsdp else 1
     layer_p = dims.all_layer_params / L / tp  # a tp rank's share of a layer (its norms, a rounding here, whole)
-    unit_p = dims.unit_params / tp  # what FSDP2 gathers for a layer (an MoE layer: every expert in it)
+    # what FSDP2 gathers for a layer (an MoE layer: every expert in it, or its E / ep under ep)
+    unit_p, moved_p = ((dims.unit_params - ept.unit_less) / tp, layer_p - ept.layer_less / tp) if ept else \
+        (dims.unit_params / tp, layer_p)
     root_p = dims.params - dims.all_layer_params
     if dims.params and world > 1:
         if point.fsdp and sharded > 1:  # the FSDP group's ranks lie tp apart: it spans cp x dp_shard x tp ranks
-            per_layer = links.seconds(layer_p * (2 * e + 4) * (sharded - 1) / sharded, 3 * (sharded - 1), sharded * tp)
+            per_layer = links.seconds(moved_p * (2 * e + 4) * (sharded - 1) / sharded, 3 * (sharded - 1), sharded * tp)
             fsdp_t = L * per_layer + links.seconds(root_p, 3, sharded * tp)
             comm["fsdp"] = fsdp_t
             exposed += max(0.0, fsdp_t - compute) + per_layer  # the first gather is not hidden
@@ -369,7 +284,7 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     kv_local = tokens * kv_att
     temps = 2 * q_local * 4 + (3 * q_local + 4 * kv_local) * 4 // 2
     temps += int(ring_buffer_bytes(block, ring, c, w, received))
-    temps += 2 * tokens * exchanged  # Ulysses' send and receive buffers
+    temps += 2 * tokens * exchanged + (2 * ept.trade_bytes if ept else 0)  # Ulysses' and ep's send and receive
     memory = {"baseline": hw.baseline_bytes, "parameters": int(4 * p // shards), "gradients": int(4 * p // shards),
               "optimizer": int(8 * p // shards) if optimizer else 0, "gathered_layers": int(gathered),
               "activations": int(activations), "loss": int(loss), "attention_buffers": int(temps),

@@ -117,7 +117,7 @@ class SearchResult:
         if best is None or best.config.parallel_dims().cp != 1:
             return None
         return (f"{best.label} means no context parallelism: each rank holds whole sequences and exchanges "
-                "nothing, so it wins whenever a whole sequence fits the budget. CP pays off when one does not: "
+                "no attention blocks, so it wins whenever a whole sequence fits the budget. CP pays off when one does not: "
                 "search with --memory-budget set to your device's memory and your model (--model for a "
                 "transformers one, --workload for your own step, or the proxy's --layers).")
 

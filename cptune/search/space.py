@@ -6,15 +6,16 @@ import math
 from dataclasses import dataclass
 
 from ..config import CPConfig, decide_load_balance
-from ..plan import AC_MODES, ROTATE_METHODS, configurations, mesh_shapes, meshes, mixer_choices, \
-    model_limits, strategies, tp_degrees as degrees, usable_backends  # noqa: F401 (mesh_shapes: benchmarks.run's)
+from ..plan import AC_MODES, ROTATE_METHODS, configurations, expert_degrees, mesh_shapes, meshes, \
+    mixer_choices, model_limits, strategies, tp_degrees as degrees, usable_backends  # noqa: F401 (benchmarks.run's)
 from ..workload import Workload
 
 
 @dataclass(frozen=True)
 class Axis:
     """The search dimensions, as Optuna categorical choices; ``ac`` only with ``--ac auto``; ``mixers`` only for a
-    ``--model`` with layers that mix tokens outside attention a split path runs (split against whole)."""
+    ``--model`` with layers that mix tokens outside attention a split path runs (split against whole); ``ep`` only for
+    a ``--model`` whose grouped experts split (:func:`cptune.plan.expert_degrees`)."""
 
     mesh: tuple[str, ...]
     strategy: tuple[str, ...]
@@ -23,6 +24,7 @@ class Axis:
     load_balance: tuple[bool, ...]
     ac: tuple[str, ...] = ()
     mixers: tuple[str, ...] = ()
+    ep: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, list]:
         return {k: list(v) for k, v in self.__dict__.items() if v}
@@ -51,6 +53,7 @@ def axes(workload: Workload, world_size: int, device_type: str, tp: tuple[int, .
         load_balance=(True, False) if workload.causal else (False,),
         ac=AC_MODES if workload.ac == "auto" else (),
         mixers=mixer_choices(workload),
+        ep=expert_degrees(workload, world_size),
     )
 
 
@@ -58,7 +61,7 @@ def all_configs(workload: Workload, world_size: int, device_type: str, tp: tuple
     """Every distinct valid configuration (the exhaustive oracle's list)."""
     backends = usable_backends(device_type, workload.torch_dtype) or ["flash"]
     return configurations(workload, world_size, tuple(backends), device_type, tp,
-                          mixers=mixer_choices(workload))[0]
+                          mixers=mixer_choices(workload), ep=expert_degrees(workload, world_size))[0]
 
 
 def pytorch_default(workload: Workload, world_size: int, device_type: str) -> CPConfig:

@@ -100,13 +100,14 @@ def build_model_step(workload: Workload, device: torch.device, dims: ParallelDim
     and materialized one FSDP2-sharded unit at a time over all ranks (no rank holds the whole model), random
     weights the same at any world size, and an AdamW step after backward, so the peak holds parameters,
     gradients and optimizer state; synthetic tokens, packed as ``documents`` says. ``dims``: the trial's mesh; with tp
-    or dp_replicate the model is split by its own TP plan over the model mesh (:meth:`ParallelDims.model_mesh`)."""
+    or dp_replicate the model is split by its own TP plan over the model mesh (:meth:`ParallelDims.model_mesh`); its
+    ``ep``: the experts split over groups of that many ranks (:mod:`cptune.experts`)."""
     config = models.load_config(workload.model, workload.model_overrides)
     mesh = world_mesh(device.type) if dist.is_initialized() and dist.get_world_size() > 1 else None
     if dims is not None and not dims.is_dp_cp:
         mesh = model_mesh(dims, device.type)
     model = models.build_model(config, device, fsdp_mesh=mesh, ac=workload.ac, compile=workload.compile,
-                               dtype=workload.torch_dtype)
+                               dtype=workload.torch_dtype, ep=dims.ep if dims is not None else 1)
     enable(model, check="never")  # the search checked it once, up front (:func:`check_model`): none in a trial
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     video: dict[str, torch.Tensor] = {}
