@@ -32,7 +32,7 @@ def test_a_dp_cp_shape_is_the_named_mesh_without_tp():
     assert cptune.CPConfig(mesh_shape=(1, -1, 2, 2)).resolve_mesh_shape(8) == (2, 2)
 
 
-def test_ep_folds_over_dp_shard_x_cp_and_multiplies_nothing():
+def test_ep_folds_over_dp_shard_x_cp_and_multiplies_nothing(monkeypatch):
     """ep (torchtitan's and Megatron-Core's fold): the world is dp_replicate x dp_shard x cp x tp alone; ep must
     divide dp_shard x cp, and beside tp or dp_replicate it is refused by name (not built); recipes without it read
     as ep 1, keyed and labelled as before."""
@@ -53,6 +53,12 @@ def test_ep_folds_over_dp_shard_x_cp_and_multiplies_nothing():
     assert config_key(config_from({"mesh": "2x2", "rotate_method": "alltoall", "sdpa_backend": "flash",
                                    "load_balance": True})) == "dp2-cp2-alltoall-lb-flash"  # as before ep
     assert config_key(config.model_copy(update={"sdpa_backend": ("flash",)})).startswith("dp2-cp2-ep4-")
+    from cptune.examples import _options as options
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a script whose model has no experts refuses ep before any rank starts
+    assert options.mesh_and_batch(config, None, None, ep=True)[0].ep == 4
+    with pytest.raises(ValidationError, match="config.ep_degree: is 4, and this script's model has no mixture"):
+        options.mesh_and_batch(config, None, None, tp=True)
 
 
 @pytest.mark.parametrize("shape,world,match", [

@@ -65,14 +65,26 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def mesh_and_batch(config: Any, recipe: Any, batch: int | None, *, tp: bool = False) -> tuple[ParallelDims, int]:
+def no_experts(config: Any) -> None:
+    """Refuse, by name, a configuration with expert parallelism for a script whose model has no mixture of experts."""
+    if config is not None and config.ep_degree > 1:
+        raise ValidationError([Problem("config.ep_degree", f"is {config.ep_degree}, and this script's model has no "
+                                       "mixture of experts to split", "use config.ep_degree=1, or train a "
+                                       "transformers mixture of experts with cptune.examples.train_hf")])
+
+
+def mesh_and_batch(config: Any, recipe: Any, batch: int | None, *, tp: bool = False,
+                   ep: bool = False) -> tuple[ParallelDims, int]:
     """(the named mesh, global batch) of ``config`` on this job's ranks: ``batch``, else as the recipe was measured
     (its batch per replica on every replica), else 2; refused, naming --batch, when its rows do not split over dp.
-    ``tp``: whether the script splits its model by tensor parallelism (else a mesh with tp is refused by name)."""
+    ``tp``: whether the script splits its model by tensor parallelism (else a mesh with tp is refused by name);
+    ``ep``: whether it splits a mixture of experts (else an ep_degree above 1 is refused by name)."""
     world = world_size()
     if not tp:
         config.dp_cp(world, where="this script splits no model by tensor parallelism: it runs")
     dims = config.parallel_dims(world)
+    if not ep:
+        no_experts(config)
     dp = dims.dp
     batch = batch or (dp * recipe.workload.batch if recipe else 2)
     if batch % dp:
@@ -90,6 +102,6 @@ def check_checkpointing(checkpoint_dir: str | None, resume: bool, save_every: in
 
 
 
-__all__ = ["COUNT", "FOLDER", "InputFile", "OneOf", "OutputFile", "Script", "Whole", "ac", "batch", "mesh_and_batch",
+__all__ = ["COUNT", "FOLDER", "InputFile", "OneOf", "OutputFile", "Script", "Whole", "ac", "batch", "mesh_and_batch", "no_experts",
            "check_checkpointing", "compile_", "documents", "losses_out", "lr", "model", "model_override",
            "read_recipe", "recipe", "seq_len", "steps", "world_size"]

@@ -228,7 +228,7 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     recipe = options.read_recipe(recipe_path)
     w = recipe.workload if recipe else cptune.Workload(seq_len=256, batch=2)
     config = recipe.config if recipe else cptune.CPConfig()
-    dims, batch = options.mesh_and_batch(config, recipe, batch, tp=True)
+    dims, batch = options.mesh_and_batch(config, recipe, batch, tp=True, ep=True)
     path = model or w.model
     if path is None:
         raise ValidationError([Problem("model", "no model given", "give --model PATH (a model directory or "

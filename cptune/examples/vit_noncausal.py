@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cptune
+from cptune.cli import script_check
 from cptune.errors import Problem, ValidationError
 from cptune.examples import _options as options
 
@@ -94,8 +95,12 @@ def checked(recipe_path, image_size, patch, **rest) -> SimpleNamespace:
         raise ValidationError([Problem("patch", f"{patch} does not divide --image-size {image_size}",
                                        f"give a patch side that divides {image_size}, e.g. 8")])
     recipe = options.read_recipe(recipe_path)
+    options.no_experts(recipe.config if recipe else None)
     return SimpleNamespace(**rest, recipe=recipe, image_size=image_size, patch=patch,
                            config=None if recipe else cptune.CPConfig())  # default: every rank does CP
+
+
+preflight = script_check(main, checked)  # cptune launch runs these checks once, before torchrun starts any rank
 
 
 def train(args: SimpleNamespace) -> None:
