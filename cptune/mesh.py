@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import _torch_cp
+from . import _collectives, _torch_cp
 from . import attention as A
 from .errors import Problem, ValidationError, raise_if
 
@@ -246,6 +246,7 @@ def release_groups() -> None:
     the interpreter is alive. Also called at exit, so a script that destroys its own group is covered."""
     _MESHES.clear()
     A.release_groups()
+    _collectives.release_groups()
     _torch_cp.clear_sharding_caches()
     gc.collect()
 

@@ -30,7 +30,8 @@ import torch
 import cptune
 import cptune.hf
 from cptune import models
-from cptune.errors import Problem, ValidationError
+from cptune.cli import script_check
+from cptune.errors import Problem, ValidationError, raise_if
 from cptune.examples import options
 
 
@@ -95,6 +96,9 @@ def checked(model, model_overrides, recipe_path, plain, replicas, fsdp, **rest) 
         raise ValidationError([Problem("replicas", "is read only with --plain (under torchrun the recipe's dp "
                                        "replicas are the ranks')", "add --plain, or drop --replicas")])
     recipe = options.read_recipe(recipe_path)
+    from cptune.hf import trainer_problems
+
+    raise_if(trainer_problems(recipe.config if recipe else None))
     path = model or (recipe.workload.model if recipe else None)
     if path is None:
         raise ValidationError([Problem("model", "no model given", "give --model PATH, or a recipe from cptune "
@@ -112,6 +116,9 @@ def checked(model, model_overrides, recipe_path, plain, replicas, fsdp, **rest) 
                                            "model sharded by FSDP2 in DDP", "pip install -U 'transformers>=5' "
                                            "(verified: 5.25), or --no-fsdp (the model whole on every rank, DDP)")])
     return SimpleNamespace(**rest, recipe=recipe, plain=plain, replicas=replicas or 1, fsdp=fsdp, config=config)
+
+
+preflight = script_check(main, checked)  # cptune launch runs these checks once, before torchrun starts any rank
 
 
 def train(args: SimpleNamespace) -> None:

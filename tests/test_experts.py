@@ -253,3 +253,26 @@ def test_a_search_picks_ep_where_it_wins_and_its_recipe_trains_and_resumes_as_on
                            capture_output=True, text=True, timeout=300)
     assert other.returncode != 0 and "resume: the newest checkpoint in ck (step-3) keeps its experts split over ep 2" \
         in other.stdout + other.stderr and "Traceback" not in other.stderr, other.stderr
+
+
+@needs_grouped
+def test_a_checkpoint_names_each_groups_experts_apart_through_wrappers():
+    """The names a checkpoint keeps each ep group's experts under match the state dict's, whether a layer is wrapped by
+    activation checkpointing or compiled as a module (both put a name in the parameters' paths that
+    ``get_state_dict`` takes out); a name the state dict lacks is refused by name, never saved as one for all."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from cptune.experts._parallel import keep
+
+    model = cptune.models.build_model(M.tiny_config("qwen3_moe"), "cpu")
+    for module in cptune.experts.experts_modules(model).values():
+        keep(module, 1, 2)  # as ep rank 1 of 2 keeps them: experts 2 and 3 of 4
+    layers = model.model.layers
+    layers[0], layers[1] = checkpoint_wrapper(layers[0]), torch.compile(layers[1])
+    names = cptune.experts.saved_names(model)
+    assert len(names) == 4 and all(v.endswith("@experts2-3of4") for v in names.values()), names
+    state, optim = cptune.experts.renamed(*get_state_dict(model, torch.optim.AdamW(model.parameters())), names)
+    assert set(names.values()) <= set(state) and not set(names) & set(state)
+    with pytest.raises(cptune.ValidationError, match="model: has split experts the state dict does not name"):
+        cptune.experts.renamed({}, {}, names)

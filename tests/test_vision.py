@@ -214,6 +214,11 @@ def test_the_plan_prices_the_tower_and_its_frames(tmp_path):
                       P.Point(cptune.CPConfig(mesh_shape=(1, 8)), "full"), P.load_hardware("h100"), 8)
     assert "vision_tower" not in text.memory and video.memory["vision_tower"] > 0 and video.step_s > text.step_s
     assert video.time["comm_vision"] > 0
+    moe = MV.tiny_config("qwen3_vl_moe")  # a vision-language mixture of experts: its experts read in its text config
+    if moe is not None:
+        moe.text_config.num_experts = 16
+        moe.save_pretrained(tmp_path / "vl-moe")
+        assert P.expert_degrees(cptune.Workload(seq_len=64, model=str(tmp_path / "vl-moe")), 4) == (1, 2, 4)
     refused = CliRunner().invoke(main, ["plan", "--model", str(M.ROOT / "examples/models/llama-3.1-8b"), "--seq-len",
                                         "8192", "--gpus", "8", "--video", "4,16,16"])
     assert refused.exit_code != 0 and "--video: is given, and llama-3.1-8b has no vision tower" in refused.output

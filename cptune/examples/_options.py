@@ -80,11 +80,11 @@ def mesh_and_batch(config: Any, recipe: Any, batch: int | None, *, tp: bool = Fa
     ``tp``: whether the script splits its model by tensor parallelism (else a mesh with tp is refused by name);
     ``ep``: whether it splits a mixture of experts (else an ep_degree above 1 is refused by name)."""
     world = world_size()
+    if not ep:
+        no_experts(config)
     if not tp:
         config.dp_cp(world, where="this script splits no model by tensor parallelism: it runs")
     dims = config.parallel_dims(world)
-    if not ep:
-        no_experts(config)
     dp = dims.dp
     batch = batch or (dp * recipe.workload.batch if recipe else 2)
     if batch % dp:

@@ -247,7 +247,8 @@ def checked(recipe_path, model, model_overrides, weights, data, eos_id, document
     video = cptune.Workload(seq_len=seq_len, documents=spec, model=str(path), video=video).video_grid
     raise_if([Problem("data", "is given with --video", "train a video model on its synthetic rows (no --data)")]
              if video and data else [])
-    raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_, hf_config, dims.ep))
+    raise_if(dims.sequence_problems(seq_len, "seq_len") + models.training_problems(ac, compile_, hf_config,
+                                                                                    dims.ep if rest["fsdp"] else 1))
     options.check_checkpointing(checkpoint_dir, resume, save_every)
     newest = checkpoints(Path(checkpoint_dir))[-1:] if resume and checkpoint_dir else []
     saved = json.loads((newest[0] / "trainer.json").read_text()).get("ep", 1) if newest else dims.ep
@@ -335,7 +336,7 @@ def train(args: SimpleNamespace) -> None:
             if fsdp_mesh is None:  # FSDP averages gradients itself; by hand: sum, then divide (gloo has no AVG)
                 split = cptune.experts.ep_parameters(model)  # each rank's own experts: over their replicas
                 for name, p in model.named_parameters():
-                    if name not in split:
+                    if name not in split and p.grad is not None:  # (a tower without images: no gradient anywhere)
                         dist.all_reduce(p.grad)
                         p.grad /= world
                 cptune.experts.average_gradients(model)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._collectives import all_to_all_rows
+from .._collectives import all_to_all_rows, groups as made_groups
 from ..errors import Problem, raise_if
 
 
@@ -96,9 +96,9 @@ def ep_groups(ep: int) -> tuple[Any, Any]:
     """(this rank's ep group, its replicas' group) of the world cut into groups of ``ep`` consecutive ranks (every
     rank calls it: it makes every group)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = [dist.new_group(list(range(g, g + ep))) for g in range(0, world, ep)]
-    replicas = [dist.new_group(list(range(r, world, ep))) for r in range(ep)]
-    return groups[rank // ep], replicas[rank % ep]
+    made = made_groups([list(range(g, g + ep)) for g in range(0, world, ep)] +
+                       [list(range(r, world, ep)) for r in range(ep)])
+    return made[rank // ep], made[world // ep + rank % ep]
 
 
 def split(module: nn.Module, groups: tuple[Any, Any]) -> None:
@@ -156,13 +156,25 @@ def saved_names(model: nn.Module) -> dict[str, str]:
             for pname, p in module.named_parameters(recurse=False):
                 if p.shape[0] == module.num_experts:
                     full = f"{name}.{pname}" if name else pname
+                    for wrapper in _WRAPPERS:  # a state dict's names are the model's without its wrappers'
+                        full = full.replace(wrapper, "")
                     names[full] = f"{full}@experts{first}-{first + module.num_experts - 1}of{total}"
     return names
 
 
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+"""What activation checkpointing's wrapper and torch.compile's module put in a parameter's name and
+``torch.distributed.checkpoint.state_dict`` takes out."""
+
+
 def renamed(model_state: dict, optim_state: dict, names: dict[str, str]) -> tuple[dict, dict]:
     """``torch.distributed.checkpoint.state_dict.get_state_dict``'s model and optimizer state with each name in
-    ``names`` as it maps it (:func:`saved_names` to save; its inverse to load back)."""
+    ``names`` as it maps it (:func:`saved_names` to save; its inverse to load back); a name of ``names`` the model
+    state lacks is refused by name (its experts would be saved under one name for every ep group)."""
+    missing = sorted(set(names) - set(model_state) - set(names.values()))
+    raise_if([Problem("model", f"has split experts the state dict does not name: {missing[0]}", "save the model "
+                      "without wrappers around its experts' modules (checkpoint_wrapper and torch.compile are known)")]
+             if missing else [])
     model_state = {names.get(k, k): v for k, v in model_state.items()}
     optim_state = {**optim_state, "state": {names.get(k, k): v for k, v in optim_state.get("state", {}).items()},
                    "param_groups": [{**g, "params": [names.get(k, k) for k in g["params"]]}

@@ -52,7 +52,7 @@ from ._vision import position_ids, video_batch
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Trainer", "takes_sharded_models"):  # imported when asked for (the Trainer needs accelerate)
+    if name in ("Trainer", "takes_sharded_models", "trainer_problems"):  # imported when asked for (the Trainer needs accelerate)
         from . import _trainer
 
         return getattr(_trainer, name)
@@ -61,4 +61,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["ATTN_IMPLEMENTATION", "CHECK_MODES", "PROVEN_FILE", "Trainer", "attention_forward",  # noqa: F822
            "causal_lm_loss", "check", "enable", "position_ids", "proven", "proven_families",
-           "takes_sharded_models", "video_batch"]  # (__getattr__'s)
+           "takes_sharded_models", "trainer_problems", "video_batch"]  # (__getattr__'s)

@@ -76,6 +76,15 @@ def takes_sharded_models() -> bool:
     return hasattr(transformers.PreTrainedModel, "is_distributed_loading_by_transformers")
 
 
+def trainer_problems(config: Any) -> list[Problem]:
+    """What :class:`Trainer` cannot run of a configuration (a :class:`cptune.CPConfig`): expert parallelism."""
+    if config is not None and config.ep_degree > 1:
+        return [Problem("config.ep_degree", f"is {config.ep_degree} with cptune.hf.Trainer, which does not split "
+                        "experts yet", "train with expert parallelism through cptune.examples.train_hf, or use "
+                        "config.ep_degree=1")]
+    return []
+
+
 class Trainer(transformers.Trainer):
     """A ``transformers.Trainer`` whose training steps run under context parallelism (see the module)."""
 
@@ -84,6 +93,7 @@ class Trainer(transformers.Trainer):
         """``shuffle``: whether each epoch's order is shuffled (the same on a replica's CP ranks); None: unless
         ``args.train_sampling_strategy`` is "sequential"."""
         _adopt_sharded(kwargs.get("model", args[0] if args else None))
+        raise_if(trainer_problems(config_for(config, recipe)))
         config_for(config, recipe).dp_cp(dist.get_world_size() if dist.is_initialized() else 1,
                                          where="cptune.hf.Trainer splits no model by tensor parallelism; it runs")
         super().__init__(*args, **kwargs)

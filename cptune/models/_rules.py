@@ -97,8 +97,8 @@ def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape
                   model: nn.Module | None = None, ulysses: int = 1) -> list[Problem]:
     """Everything about ``config``'s model that ``dims`` cannot train right: :func:`cp_problems` and
     :func:`tp_problems`, experts its ep cannot split (:func:`cptune.experts.ep_problems`), and a Ulysses degree (``ulysses``: the configuration's, :meth:`cptune.CPConfig.degrees`)
-    that does not divide the heads each tp rank holds; the one check the scripts, ``cptune launch``, the search and
-    the plan make."""
+    that does not divide the heads each tp rank holds; the check ``train_hf`` makes before any rank starts (and
+    so ``cptune launch``, through its preflight)."""
     made = model if model is not None or (dims.cp == 1 and dims.tp == 1 and dims.ep == 1) else _empty_model(config)
     heads = ParallelDims(tp=dims.tp).model_problems(heads=attention_shape(config)["heads"], ulysses=ulysses) \
         if ulysses > 1 else []

@@ -65,8 +65,9 @@ def first(text: Mapping[str, Any], names: tuple[str, ...]) -> Any:
 
 class ExpertDims(StrictModel):
     """A mixture of experts' MLP layers as the step model prices them: every expert's parameters for memory (the
-    parameters, their gradients and optimizer state, the FSDP unit gathered whole: all of a layer's experts), those a
-    token goes through for FLOPs (``active`` routed experts, the shared ones, the router)."""
+    parameters, their gradients and optimizer state, the FSDP unit gathered whole: all of a layer's experts, or E / ep
+    under expert parallelism, :class:`EpTerms`), those a token goes through for FLOPs (``active`` routed experts, the
+    shared ones, the router)."""
 
     experts: int = Field(gt=0)
     """Routed experts in an MoE layer."""
@@ -224,25 +225,32 @@ def experts_from_fields(text: Mapping[str, Any], model_type: str) -> ExpertDims 
 @dataclass(frozen=True)
 class EpTerms:
     """Expert parallelism over ``ep`` ranks (:attr:`cptune.CPConfig.ep_degree`) as the step model prices it: the
-    routed experts' parameters a rank does not gather per MoE layer unit (FSDP2 gathers its E / ep experts over
-    their replicas only), the same as a mean over the layers (the FSDP traffic), and each all-to-all's bytes and
-    messages on one rank (the tokens' routed copies out to their experts' ranks, or back), four per MoE layer a
-    step and two more when full AC recomputes the forward."""
+    routed experts' parameters a rank does not gather per MoE layer unit (FSDP2 gathers its E / ep experts over their
+    replicas, none where each group of experts has one rank), the routed experts' parameters per layer (the mean over
+    the layers) that the layer's FSDP traffic no longer moves, this rank's experts per layer that their replicas' own
+    FSDP traffic moves (over ``replicas`` ranks), and each all-to-all's bytes and messages on one rank (the tokens'
+    routed copies out to their experts' ranks, or back), four per MoE layer a step and two more when full AC
+    recomputes the forward."""
 
     unit_less: float
     layer_less: float
+    own_layer: float
+    replicas: int
     trade_bytes: float
     messages: int
     passes: int
 
 
 def ep_terms(experts: ExpertDims | None, ep: int, layers: int, tokens: int, hidden: int, itemsize: int,
-             ac: str) -> EpTerms | None:
-    """:class:`EpTerms` of ``experts`` over ``ep`` ranks, ``tokens`` on this rank (None: no expert parallelism)."""
+             ac: str, replicas: int) -> EpTerms | None:
+    """:class:`EpTerms` of ``experts`` over ``ep`` ranks, ``tokens`` on this rank, each expert on ``replicas`` ranks
+    (dp_shard x cp / ep; None: no expert parallelism)."""
     if experts is None or ep <= 1:
         return None
-    less = experts.routed * (1 - 1 / ep)
-    return EpTerms(unit_less=less, layer_less=less * experts.layers / layers,
+    own = experts.routed / ep
+    share = experts.layers / layers
+    return EpTerms(unit_less=experts.routed - (own if replicas > 1 else 0), layer_less=experts.routed * share,
+                   own_layer=own * share, replicas=replicas,
                    trade_bytes=tokens * experts.active * hidden * itemsize * (ep - 1) / ep, messages=ep - 1,
                    passes=experts.layers * (4 + 2 * (ac == "full")))
 

@@ -100,7 +100,7 @@ def expert_degrees(workload: Workload, world: int) -> tuple[int, ...]:
     moe = experts_from_fields(text.to_dict(), text.model_type)
     if moe is None:
         return ()
-    fewer = fewer_experts(text.to_dict())
+    fewer = fewer_experts(config.to_dict())  # the same modules, made in a moment (a composite config's: as they are)
     if fewer:
         config = models.load_config(workload.model, {**(workload.model_overrides or {}), **fewer})
     if not experts.experts_modules(models.empty_model(config, structure_only=True)):

@@ -220,11 +220,11 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
         comm["mixers"] = M * links.seconds(mixing.forward_bytes + mixing.backward_bytes + again,
                                            mixing.messages * (3 if again else 2), cp * tp)
         exposed += comm["mixers"]
-    ept = _experts.ep_terms(dims.experts, mesh.ep, L, tokens, h, e, point.ac)  # expert parallelism (None: none)
+    sharded = mesh.dp_shard * cp  # FSDP2's ranks (each tp rank's own); HSDP replicates over dp_replicate
+    ept = _experts.ep_terms(dims.experts, mesh.ep, L, tokens, h, e, point.ac, sharded // mesh.ep)  # None: no ep
     if ept is not None:  # each routed copy to its expert's rank and back: ep consecutive ranks
         comm["ep"] = ept.passes * links.seconds(ept.trade_bytes, ept.messages, mesh.ep * tp)
         exposed += comm["ep"]
-    sharded = mesh.dp_shard * cp  # FSDP2's ranks (each tp rank's own); HSDP replicates over dp_replicate
     shards = sharded if point.fsdp else 1
     layer_p = dims.all_layer_params / L / tp  # a tp rank's share of a layer (its norms, a rounding here, whole)
     # what FSDP2 gathers for a layer (an MoE layer: every expert in it, or its E / ep under ep)
@@ -234,6 +234,9 @@ def predict(dims: ModelDims, workload: Workload, point: Point, hw: Hardware, gpu
     if dims.params and world > 1:
         if point.fsdp and sharded > 1:  # the FSDP group's ranks lie tp apart: it spans cp x dp_shard x tp ranks
             per_layer = links.seconds(moved_p * (2 * e + 4) * (sharded - 1) / sharded, 3 * (sharded - 1), sharded * tp)
+            r = ept.replicas if ept else 1  # a rank's own experts: over their replicas, ranks ep apart
+            per_layer += links.seconds(ept.own_layer / tp * (2 * e + 4) * (r - 1) / r, 3 * (r - 1), sharded * tp) \
+                if r > 1 else 0.0
             fsdp_t = L * per_layer + links.seconds(root_p, 3, sharded * tp)
             comm["fsdp"] = fsdp_t
             exposed += max(0.0, fsdp_t - compute) + per_layer  # the first gather is not hidden
