@@ -220,9 +220,10 @@ class Recipe(StrictModel):
         config = self.config.model_dump(mode="json")
         if config["strategy"] == "ring" and config["ulysses_degree"] is None:  # recipes from before strategies
             del config["strategy"], config["ulysses_degree"]
-        if config.get("ep_degree") == 1:  # every v1 recipe is from before expert parallelism
-            del config["ep_degree"]
-        what = {"workload": self.workload.model_dump(mode="json"), "config": config,
+        for name, default in (("mixers", "split"), ("ep_degree", 1)):  # every v1 recipe is from before these
+            if config.get(name) == default:
+                del config[name]
+        what = {"workload": self.workload.question(), "config": config,  # the workload's fields of 0.1.0
                 "launch": launch, "provenance": self.provenance.model_dump(mode="json")}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 

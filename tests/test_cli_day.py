@@ -131,6 +131,10 @@ def test_a_digest_written_before_metrics_were_covered_still_verifies(tmp_path):
     assert old.figures_apply
     moved = old.model_copy(update={"config": old.config.model_copy(update={"rotate_method": "alltoall"})})
     assert moved.edited
+    # frozen: the hash of a shipped recipe's v1-era fields alone (Workload seq_len ... step, CPConfig rotate_method ...
+    # ulysses_degree), so a field added since (documents, mixers, video, ep_degree, ...) cannot change a v1 digest
+    shipped = load_recipe(Path(__file__).resolve().parents[1] / "recipes/cpu-2r-s4096-causal.yaml")
+    assert shipped._v1_digest() == "b152b02f49dfd0c6"
 
 
 def test_index_guards_hand_written_readmes_and_missing_folders(tmp_path):
