@@ -129,7 +129,8 @@ class CPConfig(StrictModel):
     generic path: exact for any such layer, its memory the whole sequence's), as do layers without a split path."""
 
     ep_degree: int = Field(1, ge=1, json_schema_extra={
-        "fix": "give ep_degree >= 1 that divides dp_shard x cp and every MoE layer's experts (1: no expert parallelism)"})
+        "fix": "give ep_degree >= 1 that divides dp_shard x cp and every MoE layer's experts (1: no expert "
+               "parallelism)"})
     """Expert parallelism (a mixture of experts): each MoE layer's experts split over groups of ``ep_degree``
     consecutive ranks, tokens traded for them by all-to-all (:mod:`cptune.experts`); folded over dp_shard x cp (it
     multiplies nothing in ``mesh_shape``), every other parameter sharded as without it. 1: FSDP2 shards the experts
@@ -239,8 +240,9 @@ class CPConfig(StrictModel):
         shape = full_shape(self.mesh_shape or (1, -1))
         cp, head = shape[2], shape_label(shape)
         backend = "+".join(self.sdpa_backend) if self.sdpa_backend else "default"
+        ep = f" ep{self.ep_degree}" if self.ep_degree > 1 else ""
         if cp == 1:  # no ring: rotate method and load balancing do not apply
-            return f"{head} {backend}" + (f" ep{self.ep_degree}" if self.ep_degree > 1 else "")
+            return f"{head} {backend}{ep}"
         lb = {True: "lb", False: "no-lb", "auto": "lb-auto"}[self.load_balance]
         if self.strategy == "ulysses":
             label = f"{head} ulysses {backend}"
@@ -249,8 +251,7 @@ class CPConfig(StrictModel):
             label = f"{head} hybrid u{self.ulysses_degree}×{ring} {self.rotate_method} {lb} {backend}"
         else:
             label = f"{head} {self.rotate_method} {lb} {backend}"
-        return label + (" mixers-whole" if self.mixers == "whole" else "") + \
-            (f" ep{self.ep_degree}" if self.ep_degree > 1 else "")
+        return label + (" mixers-whole" if self.mixers == "whole" else "") + ep
 
 
 @dataclass(frozen=True)

@@ -178,16 +178,17 @@ class ParallelDims:
 
 def ep_problems(shape: Sequence[int], ep: int, argument: str = "config.ep_degree") -> list[Problem]:
     """Why a mesh of degrees ``shape`` (dp_replicate, dp_shard, cp, tp) cannot fold ``ep`` over its dp_shard x cp
-    ranks: the one rule the mesh, the search's space and the plan apply."""
+    ranks: the one rule the mesh, the search's space, the plan and ``build_model`` apply."""
     dpr, dps, cp, tp = shape
+    name = argument.rsplit(".", 1)[-1]  # ep_degree of a configuration, ep of build_model
     if ep <= 1:
         return []
     if tp > 1 or dpr > 1:
-        return [Problem(argument, f"is {ep} on {shape_label(shape)}", "use ep_degree=1 with tp or dp_replicate, or "
+        return [Problem(argument, f"is {ep} on {shape_label(shape)}", f"use {name}=1 with tp or dp_replicate, or "
                         "a (dp, cp) mesh with ep: experts beside tensor parallelism and HSDP are not built yet")]
     if (dps * cp) % ep:
         return [Problem(argument, f"is {ep}, which does not divide the {dps * cp} ranks of dp_shard x cp",
-                        f"use an ep_degree that divides {dps * cp}")]
+                        f"use an {name} that divides {dps * cp}")]
     return []
 
 

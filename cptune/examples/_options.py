@@ -102,6 +102,6 @@ def check_checkpointing(checkpoint_dir: str | None, resume: bool, save_every: in
 
 
 
-__all__ = ["COUNT", "FOLDER", "InputFile", "OneOf", "OutputFile", "Script", "Whole", "ac", "batch", "mesh_and_batch", "no_experts",
-           "check_checkpointing", "compile_", "documents", "losses_out", "lr", "model", "model_override",
+__all__ = ["COUNT", "FOLDER", "InputFile", "OneOf", "OutputFile", "Script", "Whole", "ac", "batch", "mesh_and_batch",
+           "check_checkpointing", "compile_", "documents", "losses_out", "lr", "model", "model_override", "no_experts",
            "read_recipe", "recipe", "seq_len", "steps", "world_size"]

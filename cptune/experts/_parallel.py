@@ -150,16 +150,19 @@ def saved_names(model: nn.Module) -> dict[str, str]:
     <all>``. A distributed checkpoint keys tensors by name, and the ranks of different ep groups hold different experts
     under one name: saved as they are, one group's would stand for every group's."""
     names = {}
-    for name, module in model.named_modules():
-        if hasattr(module, "_cptune_experts"):
-            total, first = module._cptune_experts
-            for pname, p in module.named_parameters(recurse=False):
-                if p.shape[0] == module.num_experts:
-                    full = f"{name}.{pname}" if name else pname
-                    for wrapper in _WRAPPERS:  # a state dict's names are the model's without its wrappers'
-                        full = full.replace(wrapper, "")
-                    names[full] = f"{full}@experts{first}-{first + module.num_experts - 1}of{total}"
+    for full, module in _split_parameters(model):
+        total, first = module._cptune_experts
+        for wrapper in _WRAPPERS:  # a state dict's names are the model's without its wrappers'
+            full = full.replace(wrapper, "")
+        names[full] = f"{full}@experts{first}-{first + module.num_experts - 1}of{total}"
     return names
+
+
+def _split_parameters(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, its module) of each parameter :func:`split` left: the rows :func:`keep` kept, this rank's experts."""
+    return [(f"{name}.{pname}" if name else pname, module) for name, module in model.named_modules()
+            if hasattr(module, "_cptune_experts")
+            for pname, p in module.named_parameters(recurse=False) if p.shape[0] == module.num_experts]
 
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -185,14 +188,7 @@ def renamed(model_state: dict, optim_state: dict, names: dict[str, str]) -> tupl
 def ep_parameters(model: nn.Module) -> dict[str, Any]:
     """Each parameter :func:`expert_parallel` split (its name in ``model``) -> the process group of its replicas (the
     ranks that hold the same experts)."""
-    found = {}
-    for name, module in model.named_modules():
-        if not hasattr(module, "_cptune_experts"):
-            continue
-        for pname, p in module.named_parameters(recurse=False):
-            if p.shape[0] == module.num_experts:  # the rows keep() left: this rank's experts
-                found[f"{name}.{pname}" if name else pname] = module._cptune_ep[1]
-    return found
+    return {name: module._cptune_ep[1] for name, module in _split_parameters(model)}
 
 
 def _forward(module: nn.Module, own: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -52,7 +52,7 @@ from ._vision import position_ids, video_batch
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Trainer", "takes_sharded_models", "trainer_problems"):  # imported when asked for (the Trainer needs accelerate)
+    if name in ("Trainer", "takes_sharded_models", "trainer_problems"):  # imported when asked for (accelerate)
         from . import _trainer
 
         return getattr(_trainer, name)

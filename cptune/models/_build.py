@@ -16,6 +16,7 @@ from .. import experts, mixers as _mixers
 from ..attention import RING_ATTENTION_OPS, ULYSSES_OPS
 from ..errors import Problem, ValidationError, raise_if
 from ..hf import enable
+from ..mesh import ep_problems
 from . import _parallelize as P
 from . import _tp_shards
 from . import _weights
@@ -98,12 +99,13 @@ def build_model(config, device: torch.device | str, weights: str | Path | None =
 def _ep_problems(model: nn.Module, ep: int, fsdp_mesh: Any, tp_mesh: Any, weights: Any, ac: str | None) -> list:
     if ep <= 1:
         return []
-    problems = experts.ep_problems(model, ep) + experts.world_problems(ep)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    replicas = fsdp_mesh.size(0) if fsdp_mesh is not None and fsdp_mesh.ndim > 1 else 1
+    # the mesh's rule for the fold: beside tp or HSDP not built, and ep dividing the ranks it folds over
+    problems = experts.ep_problems(model, ep) + ep_problems((replicas, world // replicas // tp, 1, tp), ep, "ep")
     if fsdp_mesh is not None:  # selective checkpointing's refusal (the experts' FSDP2 unit)
         problems += training_problems(ac or "none", False, ep=ep)
-    if tp_mesh is not None or (fsdp_mesh is not None and fsdp_mesh.ndim > 1):
-        problems.append(Problem("ep", f"is {ep} with tensor parallelism or HSDP", "use a 1-D fsdp_mesh (dp_shard x "
-                                "cp) with ep: experts beside tp and dp_replicate are not built yet"))
     if weights is not None:
         problems.append(Problem("ep", f"is {ep} with weights=", "load a checkpoint with ep=1: reading each rank's "
                                 "experts from safetensors is not built yet"))

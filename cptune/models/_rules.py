@@ -58,7 +58,8 @@ def tp_problems(config, tp: int, argument: str = "mesh.tp", model: nn.Module | N
         problems.append(Problem(argument, f"is {tp} but {type(text).__name__}'s TP plan leaves {', '.join(blocks)} "
                                 "unsplit: under sequence parallelism each tp rank would run it on its share of the "
                                 "tokens and hold a part of its gradient (MoE experts need expert parallelism, which "
-                                "cptune does not apply)", "use tp=1 for this model"))
+                                "cptune does not apply beside tp yet)", "use tp=1 for this model (config.ep_degree "
+                                "splits a mixture's experts over dp x cp)"))
     shape = attention_shape(config)
     return problems + ParallelDims(tp=tp).model_problems(heads=shape["heads"], kv_heads=shape["kv_heads"],
                                                          intermediate=getattr(text, "intermediate_size", None),
@@ -96,8 +97,9 @@ def whole_layers(config, model: nn.Module | None = None, cp: int = 2, mixers: st
 def mesh_problems(config, dims: ParallelDims, argument: str = "config.mesh_shape",
                   model: nn.Module | None = None, ulysses: int = 1) -> list[Problem]:
     """Everything about ``config``'s model that ``dims`` cannot train right: :func:`cp_problems` and
-    :func:`tp_problems`, experts its ep cannot split (:func:`cptune.experts.ep_problems`), and a Ulysses degree (``ulysses``: the configuration's, :meth:`cptune.CPConfig.degrees`)
-    that does not divide the heads each tp rank holds; the check ``train_hf`` makes before any rank starts (and
+    :func:`tp_problems`, experts its ep cannot split (:func:`cptune.experts.ep_problems`), and a Ulysses degree
+    (``ulysses``: the configuration's, :meth:`cptune.CPConfig.degrees`) that does not divide the heads each tp rank
+    holds; the check ``train_hf`` makes before any rank starts (and
     so ``cptune launch``, through its preflight)."""
     made = model if model is not None or (dims.cp == 1 and dims.tp == 1 and dims.ep == 1) else _empty_model(config)
     heads = ParallelDims(tp=dims.tp).model_problems(heads=attention_shape(config)["heads"], ulysses=ulysses) \

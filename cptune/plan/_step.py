@@ -43,7 +43,8 @@ RING_STEP_BYTES = {"forward": (29.5, 21.4), "backward": (11.5, 65.6)}
 element (V has as many): forward, the float32 merge of the block's output and log-sum-exp (under load balancing half
 the steps on half the queries) and K and V concatenated for the rotation; backward, the float32 dq, dk and dv
 accumulated (half the steps a partial update, which clones) and dk, dv and K, V concatenated. Measured on CPU by
-``python -m benchmarks.ring_traffic`` (PyTorch's ring's own operations, float32, from memory): 29.5 + 21.4, 11.5 + 65.6."""
+``python -m benchmarks.ring_traffic`` (PyTorch's ring's own operations, float32, from memory: caches flushed,
+no fresh pages): 29.5 + 21.4 and 11.5 + 65.6."""
 
 
 @dataclass(frozen=True)
