@@ -17,7 +17,8 @@ process group from its name, as torch's compile-friendly collectives pass it),
 :func:`in_backward` (whether autograd is running a backward pass), :func:`sdp_priority_order`
 (SDPA's backend order), :func:`use_count` (how many references hold a tensor's storage),
 :func:`clear_sharding_caches` (DTensor's sharding caches, which hold meshes and so process groups) and
-:func:`registered_groups` (every process group of this process).
+:func:`registered_groups` (every process group of this process), and :func:`not_compiled` (``torch.compiler.disable``
+made at the first call: importing dynamo, which that decorator does, is 1.7 s of every cptune process's start).
 
 And torch's private SDPA kernels (``aten._scaled_dot_product_*`` and their backwards), whose positional
 signatures and returned layouts change between releases, are called only here: :func:`ring_forward` /
@@ -186,6 +187,16 @@ def clear_sharding_caches() -> None:
     except ImportError:  # a torch without DTensor's caches: nothing held
         return
     _clear_sharding_prop_cache()
+
+
+COMPILER = "torch._dynamo"
+"""What :func:`not_compiled` imports at its first call: a fork server imports it once for all the ranks it forks."""
+
+
+def not_compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)``, the same to torch.compile (a graph break, or fullgraph's error), with dynamo
+    imported at ``fn``'s first call rather than as cptune is imported (torch's own lazy form of it)."""
+    return torch._compile._disable_dynamo(fn)
 
 
 def registered_groups() -> list[weakref.ref]:

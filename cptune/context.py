@@ -19,6 +19,7 @@ from .config import ConfigLike, CPConfig, as_config
 from .errors import CPTuneError, CPTuneWarning, Problem, ValidationError, raise_if
 from .mesh import ParallelDims, data_rank
 from .recipe import ENV_VAR, Recipe, load_recipe
+from ._torch_cp import not_compiled
 
 
 def _recipe_for(config: ConfigLike, recipe: Any) -> Any:
@@ -106,7 +107,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         self._session = _Session(self.config, self.causal, self.recipe, documents, self.window)
         return self._session
 
-    @torch.compiler.disable  # set-up and teardown run eagerly; torch.compile traces the block's model code
+    @not_compiled  # set-up and teardown run eagerly; torch.compile traces the block's model code
     def __enter__(self) -> context_parallel:
         if isinstance(self.documents, str):
             raise_if([Problem("documents", f"is the name {self.documents!r}, which only the decorator form reads",
@@ -114,7 +115,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         self._new_session(self.documents).start(self.mesh, self.buffers, self.seq_dims, self.no_restore, inplace=True)
         return self
 
-    @torch.compiler.disable
+    @not_compiled
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         assert self._session is not None
         self._session.stop(failing=exc_type is not None)
@@ -164,7 +165,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
 
         return wrapper
 
-    @torch.compiler.disable
+    @not_compiled
     def _open(self, named: dict[str, torch.Tensor], documents: Any) -> _Session:
         """Set up eagerly: under torch.compile of a decorated step, only the step is traced."""
         return self._new_session(documents).start(self.mesh, named, {n: self.seq_dims[n] for n in named}, (),
@@ -223,7 +224,7 @@ class context_parallel:  # noqa: N801 - used like a function, as torch's own con
         return self._require().num_items_in_batch(labels, ignore_index, over)
 
 
-@torch.compiler.disable
+@not_compiled
 def _stop(session: _Session, failing: bool = False) -> None:
     session.stop(failing=failing)
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from . import _torch_cp
 from ._env import process_backend, return_freed_memory
 from ._rank import close_rank, init_rank  # noqa: F401  (their home before 0.2; the harness's ranks use them)
 from .errors import CPTuneError
@@ -109,9 +110,10 @@ def _worker(rank: int, world: int, port: int, backend: str, threads: int, pg_tim
         close_rank()
 
 
-PRELOAD = ["cptune", "cptune.search.measure"]
+PRELOAD = ["cptune", "cptune.search.measure", _torch_cp.COMPILER]
 """What the fork server imports once, before it forks a rank: no thread, no device and no process group is
-started by these imports, so a forked rank is as clean as a spawned one."""
+started by these imports, so a forked rank is as clean as a spawned one (and none imports dynamo again: cptune's
+own import leaves it to the first call that needs it)."""
 
 
 def _context() -> Any:

@@ -182,3 +182,15 @@ def test_every_shipped_recipe_launches_a_module_the_package_ships():
         assert script.startswith("cptune.examples."), (path.name, script)
         assert (ROOT / (script.replace(".", "/") + ".py")).is_file(), (path.name, script)
     assert 'include = ["cptune*"]' in (ROOT / "pyproject.toml").read_text()  # cptune.examples goes into the wheel
+
+
+def test_importing_cptune_leaves_dynamo_to_the_first_call_that_needs_it():
+    """Importing dynamo is 1.7 s of every cptune process's start (the CLI's, each rank's): ``cptune._torch_cp.
+    not_compiled`` marks what torch.compile must not trace, and dynamo comes at its first call."""
+    import subprocess
+    import sys
+
+    code = "import sys, cptune, cptune.cli, cptune.models, cptune.hf; print(sorted(m for m in sys.modules if " \
+           "m.startswith('torch._dynamo')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import optuna
+
 import cptune
 from cptune.recipe import recipe_from_search
 from cptune.search import MeasureSettings
@@ -164,6 +166,11 @@ def test_a_checkpointing_mode_is_not_run_once_one_that_recomputes_less_fits(tmp_
     every = search("2.5GiB", study="tight", exhaustive=True)  # every dominated one measured now
     assert sorted(measured_since(n)) == sorted(k.replace("-ac-none", "-ac-full") for k in measured)
     assert every.evaluated_now == 6 and all(r.state == "ok" for r in every.trials if r.ac == "full")
+    # a configuration open again is asked for by name: the sampler proposed none already answered (stored as
+    # duplicates, hundreds of them, when the open one's earlier trial made optuna skip enqueuing it)
+    for study, result in (("ac", resumed), ("tight", every)):
+        stored = optuna.load_study(study_name=result.study_name, storage=f"sqlite:///{tmp_path}/{study}.db")
+        assert not [t.number for t in stored.trials if "duplicate_of" in t.user_attrs], study
 
 
 def test_the_search_prices_an_moe_model_by_every_expert_and_its_flops_by_the_active_ones(tmp_path):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import Problem, ValidationError, raise_if
+from .._torch_cp import not_compiled
 
 Window = tuple[int, int]
 
@@ -153,7 +154,7 @@ def positions_in_documents(documents: torch.Tensor | None, seq_len: int) -> torc
 _CHUNKED: list[tuple[torch.Tensor | None, int, int, torch.Tensor]] = []  # the last few, for every layer of a step
 
 
-@torch.compiler.disable
+@not_compiled
 def chunked(documents: torch.Tensor | None, seq_len: int, chunk: int) -> torch.Tensor:
     """Document ids cut into chunks of ``chunk`` tokens, counted from each document's start (Llama 4's chunked
     attention: a token attends within its chunk only, block-diagonal like packed documents). (B or 1, S)."""

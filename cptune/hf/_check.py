@@ -31,6 +31,7 @@ from ..mixers import decoder_layers
 from .._session import active
 from ..errors import CPTuneError, Problem, ValidationError, raise_if
 from ..mesh import ParallelDims
+from .._torch_cp import not_compiled
 
 CHECK_MODES = ("auto", "always", "never")
 PROVEN_FILE = Path(__file__).with_name("proven.json")
@@ -236,7 +237,7 @@ def _verdict(model: nn.Module, key: tuple, report: C.CheckReport) -> C.CheckRepo
     return report
 
 
-@torch.compiler.disable
+@not_compiled
 def check_in_block(model: nn.Module, session) -> None:
     """The check at the first forward of ``session`` (a block of cp > 1), if ``model`` wants one: the block set aside
     while it runs; the user's step then goes on as it was."""

@@ -19,6 +19,7 @@ from ..losses import IGNORE_INDEX
 from .._session import active
 from ..context import scaled_dot_product_attention
 from ..errors import Problem, raise_if
+from .._torch_cp import not_compiled
 
 ATTN_IMPLEMENTATION = "cptune"
 _UNSUPPORTED = {"softcap": "attention logit softcapping", "position_bias": "a position bias (T5-style)"}
@@ -59,7 +60,7 @@ def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(1, 2).contiguous(), None
 
 
-@torch.compiler.disable
+@not_compiled
 def _masks_some(mask: torch.Tensor) -> bool:
     """Whether an attention mask hides anything (a bool mask with a False, an additive one with a non-zero)."""
     return not bool(mask.all()) if mask.dtype == torch.bool else bool(mask.any())
@@ -97,7 +98,7 @@ def _all_ranks_true(flag: bool, session: Any) -> bool:
     return bool(t.item())
 
 
-@torch.compiler.disable
+@not_compiled
 def _packed_documents(session: Any, given: dict[str, Any]) -> None:
     """Tell the block the documents of a packed batch, as transformers would find them."""
     cu = given.get("cu_seq_lens_q")

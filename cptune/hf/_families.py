@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from .._session import active
+from .._torch_cp import not_compiled
 
 
 def _temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -24,7 +25,7 @@ def _temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float)
     return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
-@torch.compiler.disable
+@not_compiled
 def _nope_ratio(attention: nn.Module, local: int, device: torch.device) -> torch.Tensor | None:
     """(B or 1, local, 1): the temperature each of this rank's queries needs over the one the model gives it, or
     None when they agree (every position below the first step of the temperature, the common case)."""

@@ -14,6 +14,7 @@ import torch.nn as nn
 from .._session import active
 from ._contract import PATHS
 from ._generic import _arg_names, _whole_forward, run_whole
+from .._torch_cp import not_compiled
 
 
 def path(module: nn.Module, cp: int, mixers: str = "split") -> str:
@@ -31,7 +32,7 @@ def splits(module: nn.Module) -> bool:
     return any(kind.splittable(module) for kind in PATHS)
 
 
-@torch.compiler.disable
+@not_compiled
 def _forward(module: nn.Module, forward, hidden_states: torch.Tensor, *args, **kwargs):
     session = active()
     if session is None:

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .. import attention as A
 from .._session import active
+from .._torch_cp import not_compiled
 
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cache_position")
 """What a transformers layer may be told of the packing or of positions in its own shard: dropped, since the module
@@ -104,7 +105,7 @@ def by_document(session, forward, hidden: torch.Tensor, kwargs: dict[str, Any]) 
     return _per_document(forward, hidden, kwargs, documents.to(hidden.device))
 
 
-@torch.compiler.disable
+@not_compiled
 def _whole_forward(module: nn.Module, forward, *args: Any, **kwargs: Any) -> Any:
     session = active()
     if session is None or session.cp == 1 and session.documents is None:

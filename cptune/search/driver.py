@@ -124,7 +124,7 @@ class _StudyRun:
                 break
             planned = s.sampler == "auto" and self.guide is not None and self.guide.dims is not None
             if exhaustive or planned or duplicates >= 10:  # the next open one (TPE: it kept proposing finished ones)
-                self.study.enqueue_trial(self.open_points[self._next_open()], skip_if_exists=True)
+                self._enqueue(self.open_points[self._next_open()])
                 duplicates = 0
             trial = self.study.ask()
             params = {k: trial.suggest_categorical(k, v) for k, v in self.axes.as_dict().items()}
@@ -161,6 +161,15 @@ class _StudyRun:
             self.study.set_user_attr(PLAN_ATTR, self.guide.calibrated())
         return result_from_study(self.study, budget=s.budget, margin=s.margin, evaluated=evaluated,
                                  complete=not (self.wanted - set(self.done)), storage=storage)
+
+    def _enqueue(self, params: dict) -> None:
+        """Ask for ``params`` next, unless a trial already waits (one a stopped search enqueued: asked first).
+
+        Not optuna's ``skip_if_exists``: it skips params any earlier trial had, and a configuration open again (an
+        interrupted trial, a ruling-out a new budget lifts, ``--exhaustive``) has one, so the sampler proposed
+        finished configurations, each stored as a duplicate, until it happened on the open one."""
+        if not self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
+            self.study.enqueue_trial(params)
 
     def _tell_duplicate(self, trial: optuna.Trial, previous: optuna.trial.FrozenTrial) -> None:
         trial.set_user_attr("duplicate_of", previous.number)

@@ -126,7 +126,7 @@ class Probes:
         self.pieces.setdefault(name, {})[index] = sketch(t)
 
     def _output_hook(self, name: str) -> Callable:
-        @torch.compiler.disable
+        @_torch_cp.not_compiled
         def hook(module, args, out):
             index = self._index(name)
             first = out[0] if isinstance(out, (tuple, list)) else out
@@ -135,7 +135,7 @@ class Probes:
         return hook
 
     def _input_hook(self, name: str) -> Callable:
-        @torch.compiler.disable
+        @_torch_cp.not_compiled
         def hook(module, args):
             index = self._index(name)
             if index is not None and args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
@@ -143,7 +143,7 @@ class Probes:
         return hook
 
     def _grad_hook(self, name: str) -> Callable:
-        @torch.compiler.disable
+        @_torch_cp.not_compiled
         def hook(module, args, out):
             index = self._index(name)
             if index is not None and isinstance(out, torch.Tensor) and out.requires_grad and out.ndim == 3:
@@ -240,7 +240,7 @@ def perturbed(modules: Iterable[nn.Module], dtype: torch.dtype, seed: int = 0) -
         noise = torch.randn(t.shape, device=t.device, generator=gen)
         return t + (eps * t.detach().float() * noise).to(t.dtype)  # each element by a few units of its last place
 
-    @torch.compiler.disable
+    @_torch_cp.not_compiled
     def hook(module, args, out):
         first = out[0] if isinstance(out, (tuple, list)) else out
         if _torch_cp.in_backward() or not isinstance(first, torch.Tensor) or not first.is_floating_point() \
