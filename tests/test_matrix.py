@@ -152,7 +152,9 @@ def test_the_plan_says_what_runs_whole_and_proposes_no_tp_a_family_cannot_take(t
                                                                    head_dim=16, layers=4 if family == "qwen3_next" else 2),
                            load_hardware("h100"), 16)
         shapes = [p.point.config.parallel_dims() for p in result.predictions]
-        problems = [models.mesh_problems(M.tiny_config(family), d) for d in shapes]
+        config = M.tiny_config(family)
+        made = models.empty_model(config)  # built once: each call would build it again (40 ms, thousands of rows)
+        problems = [models.mesh_problems(config, d, model=made) for d in shapes]
         assert shapes and not any(problems), (family, problems[:1])
         if family == "qwen3_next":  # its Gated DeltaNet priced on its path: split by heads, or whole (both rows)
             assert "3 of the 4 layers are gated_deltanet: priced on their path" in result.header(), result.header()
