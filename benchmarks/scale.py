@@ -3,11 +3,16 @@ one rank's memory budget, yet ``cptune search --model`` measures it within that 
 ``examples/train_hf.py`` trains it from the recipe; each rank's build peak beside the shard it keeps.
 
     python -m benchmarks.scale                       # builds (sharded and whole), search, training
-    python -m benchmarks.scale --layers 8 --no-whole   # a quick look (the model then fits a rank)
+    python -m benchmarks.scale --no-whole --trials 1   # the sharded build only, one trial
 
-Build peaks: a rank's peak RSS while ``cptune.models.build_model`` makes the model (``VmHWM`` reset before,
-read after: the rise), beside its shard (parameters it keeps, float32) and the largest unit materialized at
-once (a decoder layer, or the root's embedding, norm and head); the bound is 1.25 x (shard + largest unit).
+The budget is a third of the states, so a smaller model leaves too little of it for what every rank holds besides
+its shard (the interpreter with torch and transformers, 0.3 GiB): the default is 240 layers at 32 tokens (the
+suite's test, 180 at 8); a few layers are refused by the search, by name, before any rank starts.
+
+Build peaks: a rank's peak RSS (each rank a fresh process) while ``cptune.models.build_model`` makes the model
+(``VmHWM`` reset before, read after: the rise), beside its shard (parameters it keeps, float32) and the largest unit
+materialized at once (a decoder layer, or the root's embedding, norm and head); the bound is 1.25 x (shard + largest
+unit).
 ``--whole``: the same for the whole-model build it replaced (``from_config`` on every rank, then FSDP2).
 Results: benchmarks/results/scale-<stamp>.json.
 """
@@ -63,18 +68,16 @@ def _status_kb(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def build_rank(model: str, whole: bool) -> None:
-    """Under torchrun: build the model (sharded, or whole then FSDP2), print this rank's figures as JSON."""
+def build_rank(model: str, whole: bool) -> dict:
+    """On one rank of a fresh group: build the model (sharded, or whole then FSDP2); this rank's figures."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import cptune.launch
     from cptune import models
 
     torch.set_num_threads(1)
-    _, world, rank = cptune.launch.init_rank()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     config = models.load_config(model)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
@@ -90,23 +93,16 @@ def build_rank(model: str, whole: bool) -> None:
     seconds = time.perf_counter() - t0
     rise = _status_kb("VmHWM") * 1024 - before
     shard = sum(p.to_local().numel() * 4 for p in built.parameters())
-    figures = [None] * world
-    dist.all_gather_object(figures, {"rank": rank, "rise": rise, "shard": shard, "seconds": seconds})
-    if rank == 0:
-        print("FIGURES " + json.dumps(figures), flush=True)
-    del built, mesh  # close_rank frees the groups once nothing holds them
-    cptune.launch.close_rank()
+    return {"rank": dist.get_rank(), "rise": rise, "shard": shard, "seconds": seconds}
 
 
 def build_peaks(model: Path, ranks: int, whole: bool) -> list[dict]:
-    """Each rank's build figures, from a torchrun job of ``ranks`` processes."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           "-m", "benchmarks.scale", "--build-rank", str(model), "--whole" if whole else "--no-whole"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr[-3000:])
-    line = next(x for x in done.stdout.splitlines() if x.startswith("FIGURES "))
-    return json.loads(line[len("FIGURES "):])
+    """Each rank's build figures, from ``ranks`` processes started for this build alone (forked from cptune's fork
+    server, which imported torch and cptune once: each rank as fresh as a torchrun rank, without its imports)."""
+    from cptune.launch import WorkerGroup
+
+    with WorkerGroup(ranks, timeout=1200) as group:
+        return group.run(build_rank, str(model), whole)
 
 
 def search_and_train(model: Path, ranks: int, budget: int, work: Path, trials: int = 2, steps: int = 2,
@@ -149,10 +145,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--whole", action=argparse.BooleanOptionalAction, default=True,
                         help="Also measure the whole-model build (every rank holds the model once)")
-    parser.add_argument("--build-rank", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.build_rank:
-        return build_rank(args.build_rank, args.whole)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = write_model(work / "model", args.layers)
