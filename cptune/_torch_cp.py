@@ -18,7 +18,7 @@ process group from its name, as torch's compile-friendly collectives pass it),
 (SDPA's backend order), :func:`use_count` (how many references hold a tensor's storage),
 :func:`clear_sharding_caches` (DTensor's sharding caches, which hold meshes and so process groups) and
 :func:`registered_groups` (every process group of this process), and :func:`not_compiled` (``torch.compiler.disable``
-made at the first call: importing dynamo, which that decorator does, is 1.7 s of every cptune process's start).
+made at the first call: importing dynamo, which that decorator does, is about a second of every cptune process).
 
 And torch's private SDPA kernels (``aten._scaled_dot_product_*`` and their backwards), whose positional
 signatures and returned layouts change between releases, are called only here: :func:`ring_forward` /
@@ -182,6 +182,15 @@ def clear_sharding_caches() -> None:
     """Empty DTensor's sharding-propagation caches (the Python one and the C++ fast path's). Every DTensor op
     an FSDP2 model ran is cached there with its specs, so their meshes, and the process groups those hold,
     live as long as the cache: to the interpreter's teardown."""
+    try:  # what torch.distributed.tensor.debug._clear_sharding_prop_cache does, without importing that package
+        # (its debug tools import inductor and dynamo: a second of every process's exit, DTensor used or not)
+        from torch.distributed.tensor._api import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        return
+    except (ImportError, AttributeError):  # moved in another release: torch's own entry point
+        pass
     try:
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     except ImportError:  # a torch without DTensor's caches: nothing held

@@ -185,12 +185,13 @@ def test_every_shipped_recipe_launches_a_module_the_package_ships():
 
 
 def test_importing_cptune_leaves_dynamo_to_the_first_call_that_needs_it():
-    """Importing dynamo is 1.7 s of every cptune process's start (the CLI's, each rank's): ``cptune._torch_cp.
-    not_compiled`` marks what torch.compile must not trace, and dynamo comes at its first call."""
+    """Importing dynamo is about a second of every cptune process (the CLI's, each rank's): ``cptune._torch_cp.
+    not_compiled`` marks what torch.compile must not trace, and dynamo comes at its first call; nor does cptune's
+    release at exit import it (torch's debug tools, which empty DTensor's caches, would)."""
     import subprocess
     import sys
 
-    code = "import sys, cptune, cptune.cli, cptune.models, cptune.hf; print(sorted(m for m in sys.modules if " \
-           "m.startswith('torch._dynamo')))"
+    code = "import atexit, sys; atexit.register(lambda: print(sorted(m for m in sys.modules if " \
+           "m.startswith('torch._dynamo')))); import cptune, cptune.cli, cptune.models, cptune.hf"  # run last
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]", done.stdout
